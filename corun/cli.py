@@ -1,0 +1,140 @@
+"""``corun train|validate``: the only place that owns argv, signals and exit codes.
+
+Exit status: 0 done, 1 training error, 2 usage or config error (one line, no
+traceback), 130 after SIGINT, 143 after SIGTERM.
+
+Signals: the first SIGINT/SIGTERM stops the run (teardown runs in full, with a save
+if configured) and arms a hard deadline (``run.hard_deadline_s``) after which the
+process ends whatever hangs; a second skips the optional teardown steps; a third
+ends the process at once.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import signal
+import sys
+import threading
+import traceback
+from typing import NoReturn
+
+import anyio
+
+from corun import procs
+from corun.config import Config, load_config, to_toml
+from corun.errors import UsageError
+from corun.events import EVENTS_FILE, EventLog
+from corun.loop import run
+from corun.teardown import RunControl
+from corun.trainer import Outcome, Trainer, resolve_trainer
+
+EXIT_OK, EXIT_ERROR, EXIT_USAGE = 0, 1, 2
+_SIGNAL_EXIT = {"SIGINT": 130, "SIGTERM": 143}
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str) -> NoReturn:  # one line, not argparse's usage block
+        print(f"corun: error: {message} (see corun --help)", file=sys.stderr)
+        raise SystemExit(EXIT_USAGE)
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = _Parser(prog="corun", description="One async loop template for RL post-training.")
+    commands = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
+    for name, text in (
+        ("train", "train from a TOML config"),
+        ("validate", "print the resolved config (after overrides) and exit"),
+    ):
+        sub = commands.add_parser(name, help=text, description=text)
+        sub.add_argument("config", help="path to a TOML config")
+        sub.add_argument("overrides", nargs="*", metavar="KEY.PATH=VALUE", help="config overrides")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    signal.signal(signal.SIGTERM, _terminate_before_run)
+    logging.basicConfig(format="corun: %(message)s", level=logging.WARNING)
+    args = _parser().parse_args(argv)
+    try:
+        config = load_config(args.config, args.overrides)
+        if args.command == "validate":
+            print(to_toml(config), end="")
+            return EXIT_OK
+        trainer = resolve_trainer(config.trainer.kind)(config)
+        return anyio.run(_train, trainer, config, backend=config.run.backend)
+    except UsageError as exc:
+        print(f"corun: error: {exc}", file=sys.stderr)
+        return EXIT_USAGE
+    except KeyboardInterrupt:  # before the run's own handler was installed
+        return _SIGNAL_EXIT["SIGINT"]
+
+
+def _terminate_before_run(signum: int, frame: object) -> None:
+    raise SystemExit(_SIGNAL_EXIT["SIGTERM"])
+
+
+async def _train(trainer: Trainer[object], config: Config) -> int:
+    control = RunControl()
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(_watch_signals, control, config)
+        try:
+            outcome = await run(trainer, config, control=control)
+            code = _exit_code(outcome)
+        except UsageError as exc:
+            print(f"corun: error: {exc}", file=sys.stderr)
+            code = EXIT_USAGE
+        except Exception:
+            traceback.print_exc()
+            code = EXIT_ERROR
+        finally:
+            tg.cancel_scope.cancel()
+    return code
+
+
+def _exit_code(outcome: Outcome) -> int:
+    if outcome.reason == "interrupted":
+        return _SIGNAL_EXIT.get(outcome.signal or "SIGINT", 130)
+    return EXIT_OK if outcome.reason == "done" else EXIT_ERROR
+
+
+async def _watch_signals(control: RunControl, config: Config) -> None:
+    with anyio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
+        received = 0
+        async for signum in signals:
+            received += 1
+            name = signal.Signals(signum).name
+            code = _SIGNAL_EXIT[name]
+            if received == 1:
+                print(f"corun: {name}: stopping; again to skip saving", file=sys.stderr)
+                _arm_hard_deadline(config, code)
+                control.stop("interrupted", signal=name)
+            elif received == 2:
+                print(f"corun: {name}: skipping optional teardown steps", file=sys.stderr)
+                control.stop("interrupted", signal=name)
+            else:
+                _hard_exit(config, code, "third signal")
+
+
+def _arm_hard_deadline(config: Config, code: int) -> None:
+    timer = threading.Timer(
+        config.run.hard_deadline_s, _hard_exit, (config, code, "hard deadline")
+    )
+    timer.daemon = True
+    timer.start()
+
+
+def _hard_exit(config: Config, code: int, why: str) -> None:
+    """End the process now: kill child process groups, record it, exit."""
+    print(f"corun: {why}: exiting now", file=sys.stderr)
+    procs.kill_all()
+    if (config.run_dir / EVENTS_FILE).exists():
+        log = EventLog(config.run_dir)
+        log.emit("end", -1, reason="killed", why=why)
+        log.close()
+    os._exit(code)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

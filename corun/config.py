@@ -1,0 +1,211 @@
+"""Configuration: TOML decoded by msgspec into frozen Structs.
+
+Every section forbids unknown fields, so a typo (`loop.concurency`) is an error that
+names the place instead of a setting silently ignored. `[trainer]` is validated in
+two passes: `kind` picks the trainer class, whose own `Config` Struct then decodes
+the rest of the table. Command-line overrides (`KEY.PATH=VALUE`) are applied to the
+raw TOML tables before decoding, so they get the same checks as the file.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import tomllib
+from pathlib import Path
+from typing import Annotated, Any, Literal
+
+import msgspec
+
+from corun.errors import ConfigError
+
+PositiveInt = Annotated[int, msgspec.Meta(ge=1)]
+NonNegativeInt = Annotated[int, msgspec.Meta(ge=0)]
+PositiveFloat = Annotated[float, msgspec.Meta(gt=0)]
+
+
+class Section(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):
+    """Base of every config table: immutable, unknown keys rejected."""
+
+
+class RunConfig(Section):
+    name: str = "run"
+    # Where checkpoints, metrics, events and the trace go; default runs/<name>.
+    dir: str = ""
+    seed: int = 0
+    # Total optimizer steps; a resumed run continues up to this number.
+    steps: NonNegativeInt = 100
+    backend: Literal["asyncio", "trio"] = "asyncio"
+    # Each teardown step gets this long before it is abandoned and the next one runs.
+    teardown_timeout_s: PositiveFloat = 30.0
+    # After the first SIGINT/SIGTERM the process ends by this deadline, whatever hangs.
+    hard_deadline_s: PositiveFloat = 60.0
+
+
+class LoopConfig(Section):
+    # Rollout batches generated or buffered ahead of the trainer; 1 = synchronous.
+    concurrency: PositiveInt = 1
+    # A batch made with weights more than this many versions old is never trained on.
+    # Unset: (concurrency - 1) + (sync_interval - 1), the lag the pipeline has anyway.
+    max_staleness: NonNegativeInt | None = None
+    # Optimizer steps per weight publish to the rollout engine.
+    sync_interval: PositiveInt = 1
+    # Steps between periodic evals / saves; 0 turns them off.
+    eval_interval: NonNegativeInt = 0
+    save_interval: NonNegativeInt = 0
+    baseline_eval: bool = True
+    # Save a checkpoint during teardown after an interrupt (skipped on a second signal).
+    save_on_interrupt: bool = True
+    # "thread": blocking compute on worker threads (the loop stays responsive);
+    # "inline": on the event loop, lowest overhead, Ctrl-C waits for the call.
+    compute: Literal["thread", "inline"] = "thread"
+
+    def __post_init__(self) -> None:
+        if self.max_staleness is not None and self.max_staleness < self.sync_interval - 1:
+            # Between two publishes the engine lags up to sync_interval - 1 versions; a
+            # tighter bound would admit no rollout and the run would wait forever.
+            raise ValueError(
+                f"max_staleness = {self.max_staleness} is below sync_interval - 1 = "
+                f"{self.sync_interval - 1}, so no rollout could ever be admitted"
+            )
+
+    @property
+    def staleness_bound(self) -> int:
+        if self.max_staleness is not None:
+            return self.max_staleness
+        return (self.concurrency - 1) + (self.sync_interval - 1)
+
+
+class CheckpointConfig(Section):
+    # true: resume from the latest complete checkpoint in run.dir if there is one;
+    # false: start fresh (refused if run.dir already holds checkpoints);
+    # a path: resume from that checkpoint directory.
+    resume: bool | str = True
+    # Keep only the newest N checkpoints; 0 keeps all.
+    keep: NonNegativeInt = 0
+
+
+class LogConfig(Section):
+    wandb: Literal["disabled", "offline", "online"] = "disabled"
+    project: str = "corun"
+    # "auto": a rich progress bar on a terminal, plain lines otherwise.
+    progress: Literal["auto", "rich", "plain", "off"] = "auto"
+
+
+class DataConfig(Section):
+    # A JSONL file of records; empty means the trainer's built-in generator.
+    path: str = ""
+    batch_size: PositiveInt = 64
+    shuffle: bool = True
+
+
+class TrainerConfig(Section):
+    """Base of a trainer's own settings; `kind` names the trainer class."""
+
+    kind: str
+
+
+class Config(Section):
+    trainer: TrainerConfig
+    run: RunConfig = RunConfig()
+    loop: LoopConfig = LoopConfig()
+    checkpoint: CheckpointConfig = CheckpointConfig()
+    log: LogConfig = LogConfig()
+    data: DataConfig = DataConfig()
+
+    @property
+    def run_dir(self) -> Path:
+        return Path(self.run.dir or f"runs/{self.run.name}")
+
+    def digest(self) -> str:
+        """Hash of what defines the run's trajectory (not its length, logging or resume)."""
+        stable = {
+            "trainer": self.trainer,
+            "data": self.data,
+            "loop": self.loop,
+            "seed": self.run.seed,
+        }
+        return hashlib.sha256(msgspec.json.encode(stable)).hexdigest()[:16]
+
+
+# ----------------------------------------------------------------------------- loading
+
+
+def load_config(path: str | Path, overrides: list[str] | tuple[str, ...] = ()) -> Config:
+    """Read, override and validate a config file; raise ConfigError with one clear line."""
+    path = Path(path)
+    try:
+        raw = tomllib.loads(path.read_text())
+    except FileNotFoundError:
+        raise ConfigError(f"{path}: config file not found") from None
+    except OSError as exc:
+        raise ConfigError(f"{path}: cannot read config ({exc.strerror})") from None
+    except tomllib.TOMLDecodeError as exc:
+        raise ConfigError(f"{path}: malformed TOML: {exc}") from None
+    except UnicodeDecodeError:
+        raise ConfigError(f"{path}: not a UTF-8 text file") from None
+    for override in overrides:
+        apply_override(raw, override)
+    return config_from_dict(raw, source=str(path), overrides=overrides)
+
+
+def config_from_dict(
+    raw: dict[str, Any], source: str = "<config>", overrides: list[str] | tuple[str, ...] = ()
+) -> Config:
+    from corun.trainer import resolve_trainer  # the registry imports config types
+
+    def fail(exc: msgspec.ValidationError, prefix: str = "") -> ConfigError:
+        message = str(exc).replace("`$", f"`${prefix}")
+        culprit = _override_for(message, overrides)
+        return ConfigError(f"{source}: {message}{culprit}")
+
+    trainer_raw = raw.get("trainer")
+    if not isinstance(trainer_raw, dict) or not isinstance(trainer_raw.get("kind"), str):
+        raise ConfigError(
+            f"{source}: Expected `str` at `$.trainer.kind`: a [trainer] table with kind = "
+            '"<registered name>" or "package.module:Class" is required'
+        )
+    trainer_cls = resolve_trainer(trainer_raw["kind"], where=f"{source}: `$.trainer.kind`")
+    try:
+        trainer_config = msgspec.convert(trainer_raw, trainer_cls.Config)
+    except msgspec.ValidationError as exc:
+        raise fail(exc, ".trainer") from None
+    try:
+        config = msgspec.convert({**raw, "trainer": {"kind": trainer_raw["kind"]}}, Config)
+    except msgspec.ValidationError as exc:
+        raise fail(exc) from None
+    return msgspec.structs.replace(config, trainer=trainer_config)
+
+
+def _override_for(message: str, overrides: list[str] | tuple[str, ...]) -> str:
+    for override in overrides:
+        key = override.split("=", 1)[0]
+        if f"`$.{key}`" in message or f"`$.{key.rsplit('.', 1)[0]}`" in message:
+            return f" (from override {override!r})"
+    return ""
+
+
+def apply_override(raw: dict[str, Any], override: str) -> None:
+    """Set ``KEY.PATH=VALUE`` in the raw tables; VALUE is read as TOML, else as a string."""
+    key, sep, text = override.partition("=")
+    parts = key.strip().split(".")
+    if not sep or not all(part.strip() for part in parts):
+        raise ConfigError(f"override {override!r}: expected KEY.PATH=VALUE, e.g. loop.concurrency=2")
+    table = raw
+    for depth, part in enumerate(parts[:-1]):
+        node = table.setdefault(part.strip(), {})
+        if not isinstance(node, dict):
+            where = ".".join(parts[: depth + 1])
+            raise ConfigError(f"override {override!r}: `$.{where}` is a value, not a table")
+        table = node
+    table[parts[-1].strip()] = parse_value(text.strip())
+
+
+def parse_value(text: str) -> Any:
+    try:
+        return tomllib.loads(f"v = {text}")["v"]
+    except tomllib.TOMLDecodeError:
+        return text
+
+
+def to_toml(config: Config) -> str:
+    return msgspec.toml.encode(config).decode()

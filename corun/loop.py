@@ -1,0 +1,363 @@
+"""The loop template every trainer runs: ``await run(trainer, config)``.
+
+The life of a run, top to bottom:
+
+    read the resume checkpoint → start logging → seed → set up the trainer →
+    restore (trainer state, RNG, data cursor; the first step then syncs) →
+    baseline eval → per step: rollout (a producer task) → train step → log →
+    sync gate → periodic eval → save → teardown (reverse set-up order) → end
+
+Rollouts are produced by a task that feeds the trainer through a stream; admission
+(``Clock.admit``) decides when the next rollout may start. With ``concurrency = 1``
+a rollout starts only after the previous step is complete, so the calls happen in
+exactly the order of a hand-written synchronous loop (generate → train → sync →
+generate); more concurrency is the same code with a wider admission window.
+"""
+
+from __future__ import annotations
+
+import secrets
+import time
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import anyio
+import anyio.to_thread
+import numpy as np
+import torch
+
+from corun import checkpoint
+from corun.clock import Clock
+from corun.compute import Lane, call_hook
+from corun.config import Config
+from corun.errors import CheckpointError
+from corun.events import EventLog, Trace
+from corun.reporting import Reporter
+from corun.teardown import RunControl, Teardown
+from corun.trainer import Batch, Outcome, SetupContext, Trainer, overrides
+
+
+async def run(trainer: Trainer[Any], config: Config, *, control: RunControl | None = None) -> Outcome:
+    """Train ``trainer`` to ``config.run.steps`` and tear down, on every path.
+
+    Returns the outcome when the run finishes or is stopped through ``control``;
+    re-raises the first training error, or the host's cancellation, after teardown.
+    """
+    control = control or RunControl()
+    resume_from = checkpoint.resume_point(config)
+    restored = await anyio.to_thread.run_sync(checkpoint.read, resume_from) if resume_from else None
+    config.run_dir.mkdir(parents=True, exist_ok=True)
+    checkpoint.remove_partial_writes(config.run_dir)
+    session = _Session(trainer, config, control, restored)
+    return await session.run()
+
+
+class _Session:
+    """One run's components; ``run`` is the template, the rest are its named steps."""
+
+    def __init__(
+        self,
+        trainer: Trainer[Any],
+        config: Config,
+        control: RunControl,
+        restored: tuple[checkpoint.TrainerState, Any] | None,
+    ) -> None:
+        self.trainer = trainer
+        self.config = config
+        self.control = control
+        self.restored = restored
+        self.run_dir: Path = config.run_dir
+        state = restored[0] if restored else None
+        self.run_id = state.run_id if state else secrets.token_hex(4)
+        self.clock = Clock.start(
+            config.loop,
+            step=state.step if state else 0,
+            version=state.version if state else 0,
+            cursor=state.data_cursor if state else 0,
+        )
+        self.events = EventLog(self.run_dir)
+        self.trace = Trace(self.run_dir)
+        self.teardown = Teardown(self.events, control, config.run.teardown_timeout_s)
+        self.train_lane = Lane("train", config.loop.compute)
+        # One lane at concurrency 1: rollout and training share the thread, in order.
+        self.rollout_lane = self.train_lane
+        self.reporter: Reporter | None = None
+        self.last_saved = self.clock.step if restored else -1
+        self.boundary_rng = checkpoint.capture_rng()
+        self.pending_writes = 0
+        self.writes_done = anyio.Event()
+        self.write_error: BaseException | None = None
+        self.outcome: Outcome | None = None
+
+    # ------------------------------------------------------------------ the template
+
+    async def run(self) -> Outcome:
+        failure: BaseException | None = None
+        async with anyio.create_task_group() as background:  # checkpoint writes
+            self.background = background
+            try:
+                with anyio.CancelScope() as root:
+                    self.control.bind(root)
+                    await self._setup()
+                    await self._baseline_eval()
+                    await self._train_steps()
+            except BaseException as exc:  # a training error, or the host's cancellation
+                failure = exc
+            failure = failure or self.write_error
+            self.outcome = self._outcome(failure)
+            self.teardown.step = self.clock.step
+            self.events.emit("teardown:stop", self.clock.step, status="ok")
+            teardown_error = await self.teardown.run()
+            self._end(self.outcome)
+        if failure is not None:
+            raise _first_error(failure)
+        if teardown_error is not None:
+            raise teardown_error
+        return self.outcome
+
+    def _end(self, outcome: Outcome) -> None:
+        fields: dict[str, Any] = {"reason": outcome.reason}
+        if outcome.signal:
+            fields["signal"] = outcome.signal
+        if outcome.error is not None:
+            fields["error"] = f"{type(outcome.error).__name__}: {outcome.error}"
+        self.events.emit("end", self.clock.step, **fields)
+        self.events.close()
+
+    async def _setup(self) -> None:
+        config, trainer = self.config, self.trainer
+        self.teardown.push("on_train_end", self._on_train_end)
+        self.reporter = Reporter(config, self.run_dir, self.clock.step if self.restored else 0)
+        self.teardown.push("logging", self._close_logging)
+        self.events.emit(
+            "start",
+            self.clock.step,
+            run_id=self.run_id,
+            resumed=self.restored is not None,
+            steps=config.run.steps,
+            config_digest=config.digest(),
+        )
+        _seed_everything(config.run.seed)
+        ctx = SetupContext(config)
+        with self.trace.span("setup", "trainer"):
+            await call_hook(self.train_lane, trainer.setup, ctx)
+        for name, fn in ctx.teardowns:
+            self.teardown.push(name, fn)
+        self.events.emit("setup", self.clock.step)
+        self.dataset = trainer.dataset()
+        if self.restored is not None:
+            await self._restore(*self.restored)
+        self.reporter.start_wandb(self.run_id, trainer.wandb_extra())
+        self.teardown.push("checkpoints", self._drain_writes)
+        self.teardown.push("save", self._save_on_interrupt, optional=True)
+
+    async def _restore(self, state: checkpoint.TrainerState, tensors: Any) -> None:
+        try:
+            await call_hook(self.train_lane, self.trainer.load_state_dict, tensors)
+        except (KeyError, ValueError, RuntimeError, TypeError) as exc:
+            raise CheckpointError(
+                f"checkpoint step-{state.step} does not fit this trainer: {exc}"
+            ) from None
+        checkpoint.restore_rng(state.rng)
+        self.boundary_rng = state.rng
+        if state.config_digest != self.config.digest():
+            self.events.emit("config_changed", state.step, was=state.config_digest)
+        self.events.emit("restore", state.step, version=state.version, cursor=state.data_cursor)
+
+    async def _baseline_eval(self) -> None:
+        if self.config.loop.baseline_eval and not self.restored:
+            await self._evaluate("baseline_eval", self.trainer.evaluate_baseline)
+
+    async def _train_steps(self) -> None:
+        """Producer task → stream → train steps, until the step budget is spent."""
+        if self.clock.step >= self.config.run.steps:
+            return
+        if self.restored is not None:
+            await self._sync(forced=True)  # the engine booted with fresh weights
+        send, receive = anyio.create_memory_object_stream[Batch](self.config.loop.concurrency)
+        async with anyio.create_task_group() as producers:
+            producers.start_soon(self._produce, send)
+            async with receive:
+                while self.clock.step < self.config.run.steps:
+                    batch = await receive.receive()
+                    await self._train_one(batch)
+            producers.cancel_scope.cancel()
+
+    # ------------------------------------------------------------------ one step
+
+    async def _produce(self, send: anyio.abc.ObjectSendStream[Batch]) -> None:
+        async with send:
+            for index in range(self.clock.cursor, self.config.run.steps):
+                await self.clock.admit(index)
+                started = time.monotonic()
+                with self.trace.span("rollout", "producer", index=index):
+                    batch = await call_hook(
+                        self.rollout_lane, self._rollout_at, index, self.clock.version_published
+                    )
+                batch.metrics = {**batch.metrics, "perf/rollout_time_s": time.monotonic() - started}
+                await send.send(batch)
+
+    def _rollout_at(self, index: int, version: int) -> Batch:
+        result = self.trainer.rollout(self.dataset.batch(index), index)
+        batch = result if isinstance(result, Batch) else Batch(result)
+        batch.version, batch.step = version, index
+        return batch
+
+    async def _train_one(self, batch: Batch) -> None:
+        clock, loop = self.clock, self.config.loop
+        started = time.monotonic()
+        staleness = clock.step - batch.version
+        with self.trace.span("train", "trainer", step=clock.step + 1):
+            metrics = dict(await call_hook(self.train_lane, self.trainer.train_step, batch))
+        # The update has been applied: record it before any further await, so a
+        # cancellation from here on cannot lose the step's bookkeeping.
+        clock.trained(batch.step)
+        self.teardown.step = step = clock.step
+        metrics.update(batch.metrics)
+        metrics["perf/train_time_s"] = time.monotonic() - started
+        if loop.concurrency > 1:
+            metrics["async/staleness"] = float(staleness)
+        self._log(step, metrics)
+        self.events.emit("step", step, version=clock.version)
+        if clock.step % loop.sync_interval == 0:
+            await self._sync()
+        if loop.eval_interval and (step % loop.eval_interval == 0 or step == self.config.run.steps):
+            await self._evaluate("eval", self.trainer.evaluate_periodic, step)
+        if (loop.save_interval and step % loop.save_interval == 0) or step == self.config.run.steps:
+            await self._save()
+        self.boundary_rng = checkpoint.capture_rng()
+        clock.completed()
+
+    async def _sync(self, forced: bool = False) -> None:
+        if not overrides(self.trainer, "sync_weights"):
+            self.clock.published_version(self.clock.version)
+            return
+        started = time.monotonic()
+        with self.trace.span("sync", "trainer", version=self.clock.version):
+            await call_hook(self.train_lane, self.trainer.sync_weights, self.clock.version)
+        self.clock.published_version(self.clock.version)
+        fields = {"forced": True} if forced else {}
+        self.events.emit("sync", self.clock.step, version=self.clock.version, **fields)
+        self._log(self.clock.step, {"perf/sync_time_s": time.monotonic() - started})
+
+    async def _evaluate(self, event: str, hook: Any, *args: Any) -> None:
+        started = time.monotonic()
+        with self.trace.span(event, "trainer"):
+            metrics = dict(await call_hook(self.train_lane, hook, *args))
+        metrics["perf/eval_time_s"] = time.monotonic() - started
+        self._log(self.clock.step, metrics)
+        self.events.emit(event, self.clock.step)
+
+    def _log(self, step: int, metrics: Mapping[str, float]) -> None:
+        assert self.reporter is not None
+        self.reporter.log(step, metrics)
+
+    # ------------------------------------------------------------------ checkpoints
+
+    async def _save(self) -> None:
+        """Snapshot now (the weights keep training), write in the background."""
+        with self.trace.span("snapshot", "trainer"):
+            tensors = await self.train_lane.run(_snapshot_of, self.trainer)
+        state = checkpoint.TrainerState(
+            format=checkpoint.FORMAT_VERSION,
+            step=self.clock.step,
+            version=self.clock.version,
+            data_cursor=self.clock.cursor,
+            rng=checkpoint.capture_rng(),
+            run_id=self.run_id,
+            config_digest=self.config.digest(),
+        )
+        self.last_saved = self.clock.step
+        self.events.emit("save", state.step, path=str(checkpoint.step_dir(self.run_dir, state.step)))
+        self.pending_writes += 1
+        self.writes_done = anyio.Event()
+        self.background.start_soon(self._write, tensors, state)
+
+    async def _write(self, tensors: Any, state: checkpoint.TrainerState) -> None:
+        try:
+            with self.trace.span("write", "checkpoint", step=state.step):
+                path = await anyio.to_thread.run_sync(
+                    checkpoint.write, self.run_dir, state.step, tensors, state
+                )
+                await anyio.to_thread.run_sync(
+                    checkpoint.prune, self.run_dir, self.config.checkpoint.keep
+                )
+            self.events.emit("checkpoint_written", state.step, path=str(path))
+        except Exception as exc:  # a failed save fails the run: stop it, surface the error
+            self.write_error = self.write_error or exc
+            self.control.stop("error")
+        finally:
+            self.pending_writes -= 1
+            if self.pending_writes == 0:
+                self.writes_done.set()
+
+    async def _drain_writes(self) -> None:
+        if self.pending_writes:
+            await self.writes_done.wait()
+
+    async def _save_on_interrupt(self) -> None:
+        if (
+            self.outcome is not None
+            and self.outcome.reason == "interrupted"
+            and self.config.loop.save_on_interrupt
+            and self.clock.step > max(self.last_saved, 0)
+        ):
+            # Rollouts after the last completed step consumed RNG: save the state
+            # captured at that step's boundary, so resuming replays them exactly.
+            rng_now = checkpoint.capture_rng()
+            checkpoint.restore_rng(self.boundary_rng)
+            try:
+                await self._save()
+            finally:
+                checkpoint.restore_rng(rng_now)
+
+    # ------------------------------------------------------------------ end
+
+    def _close_logging(self) -> None:
+        if self.reporter is not None:
+            self.reporter.close()
+        self.trace.close()
+
+    async def _on_train_end(self) -> None:
+        assert self.outcome is not None
+        if overrides(self.trainer, "on_train_end"):
+            await call_hook(self.train_lane, self.trainer.on_train_end, self.outcome)
+
+    def _outcome(self, failure: BaseException | None) -> Outcome:
+        step = self.clock.step
+        if failure is None and not self.control.stopped:
+            return Outcome("done", step)
+        if failure is not None and not _is_cancellation(failure):
+            return Outcome("error", step, error=_first_error(failure))
+        if self.control.stopped and self.control.reason != "error":
+            return Outcome("interrupted", step, signal=self.control.signal)
+        return Outcome("cancelled", step)
+
+
+def _snapshot_of(trainer: Trainer[Any]) -> Any:
+    return checkpoint.snapshot(trainer.state_dict())
+
+
+def _seed_everything(seed: int) -> None:
+    import random
+
+    random.seed(seed)
+    np.random.seed(seed % 2**32)
+    torch.manual_seed(seed)
+
+
+def _is_cancellation(exc: BaseException) -> bool:
+    if isinstance(exc, BaseExceptionGroup):
+        return all(_is_cancellation(e) for e in exc.exceptions)
+    return isinstance(exc, anyio.get_cancelled_exc_class())
+
+
+def _first_error(exc: BaseException) -> BaseException:
+    """The first real error inside (possibly nested) exception groups."""
+    if isinstance(exc, BaseExceptionGroup):
+        for inner in exc.exceptions:
+            if not _is_cancellation(inner):
+                return _first_error(inner)
+        return exc.exceptions[0]
+    return exc

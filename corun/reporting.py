@@ -1,0 +1,117 @@
+"""Where metrics go: ``metrics.jsonl``, wandb, and a progress display.
+
+wandb is imported only when it is on (its import alone costs about a second), runs
+with the run's own id so a resumed run reattaches to the same wandb run, and its
+service process is ended at close (``wandb.teardown``), which ``finish`` alone
+leaves running.
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+from corun.config import Config
+from corun.events import MetricsLog
+
+_HEADLINE_PREFIXES = ("train/loss", "eval/", "rollout/reward_mean")
+
+
+class Progress:
+    """A rich progress bar on a terminal, plain lines otherwise, or nothing."""
+
+    def __init__(self, mode: str, total: int, start: int) -> None:
+        if mode == "auto":
+            mode = "rich" if sys.stderr.isatty() else "plain"
+        self.mode = mode
+        self.total = total
+        self._last_plain = 0.0
+        self._plain_every = max(1, total // 20)
+        self._headline: dict[str, float] = {}
+        self._bar: Any = None
+        if mode == "rich":
+            from rich.progress import (
+                BarColumn,
+                MofNCompleteColumn,
+                TextColumn,
+                TimeElapsedColumn,
+                TimeRemainingColumn,
+            )
+            from rich.progress import Progress as RichProgress
+
+            self._bar = RichProgress(
+                TextColumn("[bold]train"),
+                BarColumn(),
+                MofNCompleteColumn(),
+                TimeElapsedColumn(),
+                TimeRemainingColumn(),
+                TextColumn("{task.fields[headline]}"),
+                transient=False,
+            )
+            self._task = self._bar.add_task("train", total=total, completed=start, headline="")
+            self._bar.start()
+
+    def update(self, step: int, metrics: Mapping[str, float]) -> None:
+        for key, value in metrics.items():
+            if key.startswith(_HEADLINE_PREFIXES):
+                self._headline[key] = value
+        headline = "  ".join(f"{k}={v:.4g}" for k, v in sorted(self._headline.items()))
+        if self._bar is not None:
+            self._bar.update(self._task, completed=step, headline=headline)
+        elif self.mode == "plain" and (step % self._plain_every == 0 or step == self.total):
+            print(f"step {step}/{self.total}  {headline}", file=sys.stderr, flush=True)
+
+    def close(self) -> None:
+        if self._bar is not None:
+            self._bar.stop()
+            self._bar = None
+
+
+class Reporter:
+    """Fans one metrics record out to metrics.jsonl, wandb and the progress display."""
+
+    def __init__(self, config: Config, run_dir: Path, start_step: int) -> None:
+        self.config = config
+        self.run_dir = run_dir
+        # Records past the restored step were written after the checkpoint: drop them,
+        # so metrics.jsonl reads as one uninterrupted run.
+        self.metrics = MetricsLog(run_dir, keep_up_to_step=start_step if start_step else -1)
+        self.progress = Progress(config.log.progress, config.run.steps, start_step)
+        self._wandb: Any = None
+
+    def start_wandb(self, run_id: str, extra: Mapping[str, Any]) -> None:
+        if self.config.log.wandb == "disabled":
+            return
+        import msgspec
+        import wandb
+
+        self._wandb = wandb.init(
+            project=self.config.log.project,
+            name=self.config.run.name,
+            id=run_id,
+            resume="allow",
+            mode=self.config.log.wandb,
+            dir=str(self.run_dir),
+            config={**msgspec.to_builtins(self.config), **extra},
+        )
+
+    def log(self, step: int, metrics: Mapping[str, float]) -> None:
+        self.metrics.log(step, metrics)
+        if self._wandb is not None:
+            self._wandb.log(dict(metrics), step=step)
+        self.progress.update(step, metrics)
+
+    def close(self) -> None:
+        """Flush and close every sink; each is attempted even if another fails."""
+        self.progress.close()
+        self.metrics.close()
+        if self._wandb is not None:
+            import wandb
+
+            try:
+                self._wandb.finish()
+            finally:
+                self._wandb = None
+                wandb.teardown()

@@ -1,0 +1,116 @@
+"""Test trainers: a tiny torch model whose every hook is recorded, with injectable
+failures and delays per phase, and a fake engine child process.
+
+Used in-process by the golden event-order tests and, through
+``kind = "tests.fakes:FakeTrainer"``, by the real-signal subprocess tests.
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+from pathlib import Path
+from typing import Any, Literal
+
+import torch
+
+import corun
+from corun.compute import cancel_point
+
+Phase = Literal["", "setup", "rollout", "train", "sync", "eval", "save", "end"]
+
+
+class FakeConfig(corun.TrainerConfig, frozen=True, forbid_unknown_fields=True, kw_only=True):
+    fail_in: Phase = ""  # raise FakeError in this phase
+    fail_at_step: int = 1  # ... at this step (1-based train step; rollout index + 1)
+    slow_in: Phase = ""  # sleep in this phase, in small cooperative slices
+    slow_s: float = 0.0
+    micro_batches: int = 4
+    spawn_engine: bool = False  # start a child process as the "rollout engine"
+
+
+class FakeError(RuntimeError):
+    pass
+
+
+class FakeTrainer(corun.Trainer[FakeConfig]):
+    """Linear regression on random data; records hook calls in ``calls``."""
+
+    Config = FakeConfig
+
+    def __init__(self, config: corun.Config) -> None:
+        super().__init__(config)
+        self.calls: list[str] = []
+        self.engine: corun.ChildProcess | None = None
+
+    # -- helpers
+    def _phase(self, phase: Phase, step: int = -1) -> None:
+        marker = self.run_config.run_dir / f"phase-{phase}"
+        marker.touch()
+        if self.config.slow_in == phase:
+            until = time.monotonic() + self.config.slow_s
+            while time.monotonic() < until:
+                time.sleep(0.01)
+                cancel_point()
+        if self.config.fail_in == phase and step in (-1, self.config.fail_at_step):
+            raise FakeError(f"injected failure in {phase}")
+
+    # -- hooks
+    def setup(self, ctx: corun.SetupContext) -> None:
+        self.calls.append("setup")
+        self.model = torch.nn.Linear(4, 1)
+        self.optimizer = torch.optim.SGD(self.model.parameters(), lr=0.1)
+        self.engine_weights = {k: v.clone() for k, v in self.model.state_dict().items()}
+        if self.config.spawn_engine:
+            self.engine = corun.ChildProcess([sys.executable, "-c", "import time; time.sleep(600)"])
+            Path(self.run_config.run_dir / "engine.pid").write_text(str(self.engine.pid))
+            ctx.on_teardown("engine", self.engine.stop)
+        else:
+            ctx.on_teardown("engine", lambda: self.calls.append("teardown:engine"))
+        ctx.on_teardown("weight_sync", lambda: self.calls.append("teardown:weight_sync"))
+        self._phase("setup")
+
+    def rollout(self, inputs: Any, step: int) -> corun.Batch:
+        self.calls.append(f"rollout:{step}")
+        self._phase("rollout", step + 1)
+        x = torch.randn(8, 4)
+        y = x.sum(dim=1, keepdim=True)
+        return corun.Batch((x, y), metrics={"rollout/reward_mean": float(y.mean())})
+
+    def train_step(self, batch: corun.Batch) -> dict[str, float]:
+        self.calls.append(f"train:{batch.step}")
+        x, y = batch.data
+        self.optimizer.zero_grad()
+        total = 0.0
+        for xs, ys in zip(x.chunk(self.config.micro_batches), y.chunk(self.config.micro_batches)):
+            cancel_point()
+            self._phase("train", batch.step + 1)
+            loss = torch.nn.functional.mse_loss(self.model(xs), ys) / self.config.micro_batches
+            loss.backward()
+            total += float(loss.detach())
+        self.optimizer.step()
+        return {"train/loss": total}
+
+    def sync_weights(self, version: int) -> None:
+        self.calls.append(f"sync:{version}")
+        self._phase("sync", version)
+        self.engine_weights = {k: v.clone() for k, v in self.model.state_dict().items()}
+
+    def evaluate(self) -> dict[str, float]:
+        self.calls.append("eval")
+        self._phase("eval")
+        with torch.no_grad():
+            return {"eval/weight_norm": float(self.model.weight.norm())}
+
+    def on_train_end(self, outcome: corun.Outcome) -> None:
+        self.calls.append(f"on_train_end:{outcome.reason}")
+        self._phase("end")
+
+    def state_dict(self) -> dict[str, Any]:
+        self._phase("save")
+        return {"model": self.model.state_dict(), "optimizer": self.optimizer.state_dict()}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.calls.append("load_state_dict")
+        self.model.load_state_dict(state["model"])
+        self.optimizer.load_state_dict(state["optimizer"])
