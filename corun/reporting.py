@@ -27,7 +27,7 @@ class Progress:
             mode = "rich" if sys.stderr.isatty() else "plain"
         self.mode = mode
         self.total = total
-        self._last_plain = 0.0
+        self._last_printed = -1
         self._plain_every = max(1, total // 20)
         self._headline: dict[str, float] = {}
         self._bar: Any = None
@@ -60,7 +60,10 @@ class Progress:
         headline = "  ".join(f"{k}={v:.4g}" for k, v in sorted(self._headline.items()))
         if self._bar is not None:
             self._bar.update(self._task, completed=step, headline=headline)
-        elif self.mode == "plain" and (step % self._plain_every == 0 or step == self.total):
+        elif self.mode == "plain" and step != self._last_printed and (
+            step % self._plain_every == 0 or step == self.total
+        ):
+            self._last_printed = step
             print(f"step {step}/{self.total}  {headline}", file=sys.stderr, flush=True)
 
     def close(self) -> None:
