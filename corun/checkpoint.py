@@ -52,6 +52,7 @@ class TrainerState(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
 def capture_rng() -> RngState:
     version, internal, gauss = random.getstate()
     name, keys, pos, has_gauss, cached = np.random.get_state(legacy=True)  # type: ignore[misc]
+    assert isinstance(keys, np.ndarray)
     return RngState(
         python=[version, list(internal), gauss],
         numpy=[name, keys.tolist(), pos, has_gauss, cached],

@@ -18,7 +18,7 @@ import signal
 import sys
 import threading
 import traceback
-from typing import NoReturn
+from typing import Any, NoReturn
 
 import anyio
 
@@ -75,7 +75,7 @@ def _terminate_before_run(signum: int, frame: object) -> None:
     raise SystemExit(_SIGNAL_EXIT["SIGTERM"])
 
 
-async def _train(trainer: Trainer[object], config: Config) -> int:
+async def _train(trainer: Trainer[Any], config: Config) -> int:
     control = RunControl()
     async with anyio.create_task_group() as tg:
         tg.start_soon(_watch_signals, control, config)
@@ -118,9 +118,7 @@ async def _watch_signals(control: RunControl, config: Config) -> None:
 
 
 def _arm_hard_deadline(config: Config, code: int) -> None:
-    timer = threading.Timer(
-        config.run.hard_deadline_s, _hard_exit, (config, code, "hard deadline")
-    )
+    timer = threading.Timer(config.run.hard_deadline_s, _hard_exit, (config, code, "hard deadline"))
     timer.daemon = True
     timer.start()
 

@@ -27,7 +27,7 @@ class Section(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=T
     """Base of every config table: immutable, unknown keys rejected."""
 
 
-class RunConfig(Section):
+class RunConfig(Section, frozen=True, forbid_unknown_fields=True, kw_only=True):
     name: str = "run"
     # Where checkpoints, metrics, events and the trace go; default runs/<name>.
     dir: str = ""
@@ -41,7 +41,7 @@ class RunConfig(Section):
     hard_deadline_s: PositiveFloat = 60.0
 
 
-class LoopConfig(Section):
+class LoopConfig(Section, frozen=True, forbid_unknown_fields=True, kw_only=True):
     # Rollout batches generated or buffered ahead of the trainer; 1 = synchronous.
     concurrency: PositiveInt = 1
     # A batch made with weights more than this many versions old is never trained on.
@@ -75,7 +75,7 @@ class LoopConfig(Section):
         return (self.concurrency - 1) + (self.sync_interval - 1)
 
 
-class CheckpointConfig(Section):
+class CheckpointConfig(Section, frozen=True, forbid_unknown_fields=True, kw_only=True):
     # true: resume from the latest complete checkpoint in run.dir if there is one;
     # false: start fresh (refused if run.dir already holds checkpoints);
     # a path: resume from that checkpoint directory.
@@ -84,27 +84,27 @@ class CheckpointConfig(Section):
     keep: NonNegativeInt = 0
 
 
-class LogConfig(Section):
+class LogConfig(Section, frozen=True, forbid_unknown_fields=True, kw_only=True):
     wandb: Literal["disabled", "offline", "online"] = "disabled"
     project: str = "corun"
     # "auto": a rich progress bar on a terminal, plain lines otherwise.
     progress: Literal["auto", "rich", "plain", "off"] = "auto"
 
 
-class DataConfig(Section):
+class DataConfig(Section, frozen=True, forbid_unknown_fields=True, kw_only=True):
     # A JSONL file of records; empty means the trainer's built-in generator.
     path: str = ""
     batch_size: PositiveInt = 64
     shuffle: bool = True
 
 
-class TrainerConfig(Section):
+class TrainerConfig(Section, frozen=True, forbid_unknown_fields=True, kw_only=True):
     """Base of a trainer's own settings; `kind` names the trainer class."""
 
     kind: str
 
 
-class Config(Section):
+class Config(Section, frozen=True, forbid_unknown_fields=True, kw_only=True):
     trainer: TrainerConfig
     run: RunConfig = RunConfig()
     loop: LoopConfig = LoopConfig()
@@ -155,6 +155,8 @@ def config_from_dict(
 
     def fail(exc: msgspec.ValidationError, prefix: str = "") -> ConfigError:
         message = str(exc).replace("`$", f"`${prefix}")
+        if " - at `$" not in message:  # msgspec names no path for the top level
+            message += f" - at `${prefix}`"
         culprit = _override_for(message, overrides)
         return ConfigError(f"{source}: {message}{culprit}")
 
@@ -189,7 +191,9 @@ def apply_override(raw: dict[str, Any], override: str) -> None:
     key, sep, text = override.partition("=")
     parts = key.strip().split(".")
     if not sep or not all(part.strip() for part in parts):
-        raise ConfigError(f"override {override!r}: expected KEY.PATH=VALUE, e.g. loop.concurrency=2")
+        raise ConfigError(
+            f"override {override!r}: expected KEY.PATH=VALUE, e.g. loop.concurrency=2"
+        )
     table = raw
     for depth, part in enumerate(parts[:-1]):
         node = table.setdefault(part.strip(), {})

@@ -31,7 +31,7 @@ class _LineFile:
     def __init__(self, path: Path) -> None:
         self.path = path
         self._lock = threading.Lock()
-        self._file: BinaryIO | None = open(path, "ab")  # noqa: SIM115 - closed in close()
+        self._file: BinaryIO | None = open(path, "ab")
 
     def write(self, record: Mapping[str, Any]) -> None:
         line = _encoder.encode(record) + b"\n"
@@ -116,17 +116,26 @@ class Trace:
             tid = self._tracks.get(track)
             if tid is None:
                 tid = self._tracks[track] = len(self._tracks) + 1
-                self._write_locked({"name": "thread_name", "ph": "M", "pid": self._pid,
-                                    "tid": tid, "args": {"name": track}})
-            self._write_locked({
-                "name": name,
-                "ph": "X",
-                "ts": round(start * 1e6, 1),
-                "dur": round((end - start) * 1e6, 1),
-                "pid": self._pid,
-                "tid": tid,
-                "args": args,
-            })
+                self._write_locked(
+                    {
+                        "name": "thread_name",
+                        "ph": "M",
+                        "pid": self._pid,
+                        "tid": tid,
+                        "args": {"name": track},
+                    }
+                )
+            self._write_locked(
+                {
+                    "name": name,
+                    "ph": "X",
+                    "ts": round(start * 1e6, 1),
+                    "dur": round((end - start) * 1e6, 1),
+                    "pid": self._pid,
+                    "tid": tid,
+                    "args": args,
+                }
+            )
 
     def _write_locked(self, record: dict[str, Any]) -> None:
         assert self._file._file is not None

@@ -38,7 +38,9 @@ from corun.teardown import RunControl, Teardown
 from corun.trainer import Batch, Outcome, SetupContext, Trainer, overrides
 
 
-async def run(trainer: Trainer[Any], config: Config, *, control: RunControl | None = None) -> Outcome:
+async def run(
+    trainer: Trainer[Any], config: Config, *, control: RunControl | None = None
+) -> Outcome:
     """Train ``trainer`` to ``config.run.steps`` and tear down, on every path.
 
     Returns the outcome when the run finishes or is stopped through ``control``;
@@ -114,6 +116,7 @@ class _Session:
             raise _first_error(failure)
         if teardown_error is not None:
             raise teardown_error
+        assert self.outcome is not None
         return self.outcome
 
     def _end(self, outcome: Outcome) -> None:
@@ -180,7 +183,10 @@ class _Session:
             producers.start_soon(self._produce, send)
             async with receive:
                 while self.clock.step < self.config.run.steps:
-                    batch = await receive.receive()
+                    try:
+                        batch = await receive.receive()
+                    except anyio.EndOfStream:  # the producer failed: its error surfaces here
+                        break
                     await self._train_one(batch)
             producers.cancel_scope.cancel()
 
@@ -269,7 +275,9 @@ class _Session:
             config_digest=self.config.digest(),
         )
         self.last_saved = self.clock.step
-        self.events.emit("save", state.step, path=str(checkpoint.step_dir(self.run_dir, state.step)))
+        self.events.emit(
+            "save", state.step, path=str(checkpoint.step_dir(self.run_dir, state.step))
+        )
         self.pending_writes += 1
         self.writes_done = anyio.Event()
         self.background.start_soon(self._write, tensors, state)

@@ -60,8 +60,10 @@ class Progress:
         headline = "  ".join(f"{k}={v:.4g}" for k, v in sorted(self._headline.items()))
         if self._bar is not None:
             self._bar.update(self._task, completed=step, headline=headline)
-        elif self.mode == "plain" and step != self._last_printed and (
-            step % self._plain_every == 0 or step == self.total
+        elif (
+            self.mode == "plain"
+            and step != self._last_printed
+            and (step % self._plain_every == 0 or step == self.total)
         ):
             self._last_printed = step
             print(f"step {step}/{self.total}  {headline}", file=sys.stderr, flush=True)

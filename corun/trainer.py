@@ -19,7 +19,8 @@ from dataclasses import dataclass, field
 from importlib.metadata import entry_points
 from typing import Any, ClassVar, Generic, TypeVar
 
-from corun.config import Config, TrainerConfig
+from corun.config import Config as CorunConfig
+from corun.config import TrainerConfig
 from corun.data import Dataset, IndexData
 from corun.errors import ConfigError
 
@@ -60,7 +61,7 @@ class SetupContext:
     the channel is closed first.
     """
 
-    def __init__(self, config: Config) -> None:
+    def __init__(self, config: CorunConfig) -> None:
         self.config = config
         self.teardowns: list[tuple[str, TeardownFn]] = []
 
@@ -74,7 +75,7 @@ class Trainer(Generic[C]):
 
     Config: ClassVar[type[TrainerConfig]] = TrainerConfig
 
-    def __init__(self, config: Config) -> None:
+    def __init__(self, config: CorunConfig) -> None:
         self.run_config = config
         self.config: C = config.trainer  # type: ignore[assignment]
 

@@ -27,6 +27,7 @@ class FakeConfig(corun.TrainerConfig, frozen=True, forbid_unknown_fields=True, k
     slow_s: float = 0.0
     micro_batches: int = 4
     spawn_engine: bool = False  # start a child process as the "rollout engine"
+    teardown_fails: bool = False  # the weight-sync teardown step raises
 
 
 class FakeError(RuntimeError):
@@ -59,7 +60,7 @@ class FakeTrainer(corun.Trainer[FakeConfig]):
     def setup(self, ctx: corun.SetupContext) -> None:
         self.calls.append("setup")
         self.model = torch.nn.Linear(4, 1)
-        self.optimizer = torch.optim.SGD(self.model.parameters(), lr=0.1)
+        self.optimizer = torch.optim.Adam(self.model.parameters(), lr=0.05)
         self.engine_weights = {k: v.clone() for k, v in self.model.state_dict().items()}
         if self.config.spawn_engine:
             self.engine = corun.ChildProcess([sys.executable, "-c", "import time; time.sleep(600)"])
@@ -67,8 +68,13 @@ class FakeTrainer(corun.Trainer[FakeConfig]):
             ctx.on_teardown("engine", self.engine.stop)
         else:
             ctx.on_teardown("engine", lambda: self.calls.append("teardown:engine"))
-        ctx.on_teardown("weight_sync", lambda: self.calls.append("teardown:weight_sync"))
+        ctx.on_teardown("weight_sync", self._close_weight_sync)
         self._phase("setup")
+
+    def _close_weight_sync(self) -> None:
+        self.calls.append("teardown:weight_sync")
+        if self.config.teardown_fails:
+            raise FakeError("injected failure in weight-sync teardown")
 
     def rollout(self, inputs: Any, step: int) -> corun.Batch:
         self.calls.append(f"rollout:{step}")
@@ -82,7 +88,8 @@ class FakeTrainer(corun.Trainer[FakeConfig]):
         x, y = batch.data
         self.optimizer.zero_grad()
         total = 0.0
-        for xs, ys in zip(x.chunk(self.config.micro_batches), y.chunk(self.config.micro_batches)):
+        n = self.config.micro_batches
+        for xs, ys in zip(x.chunk(n), y.chunk(n), strict=True):
             cancel_point()
             self._phase("train", batch.step + 1)
             loss = torch.nn.functional.mse_loss(self.model(xs), ys) / self.config.micro_batches
@@ -96,9 +103,15 @@ class FakeTrainer(corun.Trainer[FakeConfig]):
         self._phase("sync", version)
         self.engine_weights = {k: v.clone() for k, v in self.model.state_dict().items()}
 
-    def evaluate(self) -> dict[str, float]:
+    def evaluate_baseline(self) -> dict[str, float]:
+        return self._evaluate(0)
+
+    def evaluate_periodic(self, step: int) -> dict[str, float]:
+        return self._evaluate(step)
+
+    def _evaluate(self, step: int) -> dict[str, float]:
         self.calls.append("eval")
-        self._phase("eval")
+        self._phase("eval", step)
         with torch.no_grad():
             return {"eval/weight_norm": float(self.model.weight.norm())}
 

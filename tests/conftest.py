@@ -1,0 +1,29 @@
+"""Shared test set-up: wandb off, both anyio backends, run configs in tmp dirs."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+os.environ["WANDB_MODE"] = "disabled"
+
+import corun
+
+
+@pytest.fixture(params=["asyncio", "trio"])
+def anyio_backend(request: pytest.FixtureRequest) -> str:
+    return str(request.param)
+
+
+def make_config(run_dir: Path, trainer: dict[str, Any], **sections: dict[str, Any]) -> corun.Config:
+    """A config for an in-process run: progress off, wandb off, run.dir = ``run_dir``."""
+    raw: dict[str, Any] = {
+        "run": {"dir": str(run_dir), **sections.pop("run", {})},
+        "log": {"progress": "off", **sections.pop("log", {})},
+        "trainer": trainer,
+        **sections,
+    }
+    return corun.config_from_dict(raw)

@@ -1,0 +1,113 @@
+"""Resume parity: 8 steps straight == 4 steps, then a resumed run to 8 — bitwise
+weights and optimizer state, identical metrics and batches for steps 5–8 — and the
+same after an interrupt mid-run (save on interrupt). The first step after a resume
+syncs, the data cursor seeks directly, and the logging run id is reattached.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import anyio
+import pytest
+import torch
+
+import corun
+from corun.events import read_jsonl
+from tests.conftest import make_config
+from tests.fakes import FakeTrainer
+
+pytestmark = pytest.mark.anyio
+
+FAKE = {"kind": "tests.fakes:FakeTrainer"}
+
+
+def _trainer(run_dir: Path, steps: int, trainer: dict[str, Any] = FAKE) -> FakeTrainer:
+    config = make_config(run_dir, trainer, run={"steps": steps}, loop={"save_interval": 2})
+    return FakeTrainer(config)
+
+
+def _training_metrics(run_dir: Path) -> list[dict[str, Any]]:
+    """Per-step records without timings (which differ between runs)."""
+    return [
+        {k: v for k, v in record.items() if not k.startswith("perf/")}
+        for record in read_jsonl(run_dir / "metrics.jsonl")
+        if "train/loss" in record
+    ]
+
+
+def assert_state_equal(a: Any, b: Any) -> None:
+    if isinstance(a, torch.Tensor):
+        assert torch.equal(a, b)
+    elif isinstance(a, dict):
+        assert a.keys() == b.keys()
+        for key in a:
+            assert_state_equal(a[key], b[key])
+    elif isinstance(a, list | tuple):
+        assert len(a) == len(b)
+        for x, y in zip(a, b, strict=True):
+            assert_state_equal(x, y)
+    else:
+        assert a == b
+
+
+async def test_resume_equals_uninterrupted(tmp_path: Path) -> None:
+    straight = _trainer(tmp_path / "straight", 8)
+    with anyio.fail_after(60):
+        await corun.run(straight, straight.run_config)
+        first = _trainer(tmp_path / "split", 4)
+        await corun.run(first, first.run_config)
+        resumed = _trainer(tmp_path / "split", 8)
+        await corun.run(resumed, resumed.run_config)
+
+    assert_state_equal(straight.state_dict(), resumed.state_dict())
+    assert _training_metrics(tmp_path / "straight") == _training_metrics(tmp_path / "split")
+    # Direct seek: the resumed run rolled out indexes 4..7 only, and synced first.
+    assert resumed.calls[:4] == ["setup", "load_state_dict", "sync:4", "rollout:4"]
+    assert [c for c in resumed.calls if c.startswith("rollout")] == [
+        f"rollout:{i}" for i in range(4, 8)
+    ]
+    starts = [r for r in read_jsonl(tmp_path / "split" / "events.jsonl") if r["event"] == "start"]
+    assert len(starts) == 2 and starts[0]["run_id"] == starts[1]["run_id"]
+    assert starts[1]["resumed"] is True
+    sync = [r for r in read_jsonl(tmp_path / "split" / "events.jsonl") if r["event"] == "sync"]
+    assert {"step": 4, "forced": True}.items() <= sync[4].items()
+
+
+async def test_resume_after_interrupt_equals_uninterrupted(tmp_path: Path) -> None:
+    straight = _trainer(tmp_path / "straight", 8)
+    with anyio.fail_after(60):
+        await corun.run(straight, straight.run_config)
+
+        # Interrupt inside step 6's train call: step 5 is the last complete step, and
+        # not on the save interval, so only the save on interrupt can hold it.
+        slow = {**FAKE, "slow_in": "train", "slow_s": 0.3}
+        first = _trainer(tmp_path / "split", 8, slow)
+        control = corun.RunControl()
+        async with anyio.create_task_group() as tg:
+
+            async def stop_in_step_6() -> None:
+                while "train:5" not in first.calls:
+                    await anyio.sleep(0.005)
+                control.stop("interrupted", signal="SIGINT")
+
+            tg.start_soon(stop_in_step_6)
+            outcome = await corun.run(first, first.run_config, control=control)
+        assert outcome.reason == "interrupted" and outcome.step == 5
+
+        resumed = _trainer(tmp_path / "split", 8, slow)
+        await corun.run(resumed, resumed.run_config)
+
+    assert_state_equal(straight.state_dict(), resumed.state_dict())
+    assert _training_metrics(tmp_path / "straight") == _training_metrics(tmp_path / "split")
+
+
+async def test_finished_run_resumes_to_nothing(tmp_path: Path) -> None:
+    done = _trainer(tmp_path / "run", 2)
+    with anyio.fail_after(30):
+        await corun.run(done, done.run_config)
+        again = _trainer(tmp_path / "run", 2)
+        outcome = await corun.run(again, again.run_config)
+    assert outcome.reason == "done" and outcome.step == 2
+    assert not [c for c in again.calls if c.startswith(("rollout", "train"))]

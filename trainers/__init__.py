@@ -1,0 +1,1 @@
+"""Concrete trainers built on corun's public API: models, algorithms and tasks."""

@@ -1,0 +1,144 @@
+"""TinyLM: a small character-level decoder-only transformer in plain torch.
+
+Small enough to train in seconds on two CPU cores (~400k parameters at d_model 128,
+2 layers), so the runtime's guarantees can be tested end to end with real learning.
+Pre-LayerNorm blocks, learned positions, causal attention through
+``scaled_dot_product_attention``, and an output head tied to the token embedding.
+
+Generation reruns the whole prefix each step (no KV cache): at these sizes the
+prefix is a dozen tokens and the simpler code wins.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated
+
+import msgspec
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from corun.compute import cancel_point
+
+Size = Annotated[int, msgspec.Meta(ge=1)]
+
+
+class ModelConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):
+    """Shape of a TinyLM; saved with checkpoints so a model can be rebuilt from one."""
+
+    vocab_size: Size
+    d_model: Size = 128
+    n_layers: Size = 2
+    n_heads: Size = 4
+    # Longest sequence the learned position table covers (prompt + generated tokens).
+    max_len: Size = 32
+
+    def __post_init__(self) -> None:
+        if self.d_model % self.n_heads:
+            raise ValueError(
+                f"d_model ({self.d_model}) must be divisible by n_heads ({self.n_heads})"
+            )
+
+
+class Block(nn.Module):
+    """Pre-LayerNorm transformer block: causal self-attention, then a 4x MLP."""
+
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        d = config.d_model
+        self.n_heads = config.n_heads
+        self.ln_attn = nn.LayerNorm(d)
+        self.qkv = nn.Linear(d, 3 * d)
+        self.proj = nn.Linear(d, d)
+        self.ln_mlp = nn.LayerNorm(d)
+        self.mlp = nn.Sequential(nn.Linear(d, 4 * d), nn.GELU(), nn.Linear(4 * d, d))
+
+    def forward(self, x: Tensor) -> Tensor:
+        batch, length, d = x.shape
+        q, k, v = self.qkv(self.ln_attn(x)).split(d, dim=-1)
+        # (batch, length, d) -> (batch, heads, length, d / heads)
+        q, k, v = (t.view(batch, length, self.n_heads, -1).transpose(1, 2) for t in (q, k, v))
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        x = x + self.proj(y.transpose(1, 2).reshape(batch, length, d))
+        return x + self.mlp(self.ln_mlp(x))
+
+
+class TinyLM(nn.Module):
+    """Decoder-only LM over token ids; ``forward`` gives next-token logits at every position."""
+
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.config = config
+        self.tok = nn.Embedding(config.vocab_size, config.d_model)
+        self.pos = nn.Embedding(config.max_len, config.d_model)
+        self.blocks = nn.ModuleList(Block(config) for _ in range(config.n_layers))
+        self.ln_out = nn.LayerNorm(config.d_model)
+        # Draws from the global torch RNG: callers seed it, so the same seed gives the same model.
+        self.apply(_init_weights)
+
+    def num_params(self) -> int:
+        return sum(p.numel() for p in self.parameters())
+
+    def forward(self, ids: Tensor) -> Tensor:
+        """``ids`` (batch, length) -> logits (batch, length, vocab_size)."""
+        length = ids.shape[1]
+        if length > self.config.max_len:
+            raise ValueError(f"sequence of {length} tokens exceeds max_len {self.config.max_len}")
+        positions = torch.arange(length, device=ids.device)
+        x = self.tok(ids) + self.pos(positions)
+        for block in self.blocks:
+            x = block(x)
+        # Tied head: the output projection is the token embedding.
+        return F.linear(self.ln_out(x), self.tok.weight)
+
+    @torch.no_grad()
+    def generate(
+        self,
+        prompt_ids: Tensor,
+        max_new_tokens: int,
+        *,
+        stop_id: int,
+        temperature: float = 0.0,
+        generator: torch.Generator | None = None,
+    ) -> Tensor:
+        """Continue equal-length prompts; returns the new ids (batch, n <= max_new_tokens).
+
+        ``temperature`` 0 is greedy and draws no random numbers; above 0 samples from
+        ``generator`` (the global torch RNG if None). A row that has emitted ``stop_id``
+        keeps emitting it, and decoding ends early once every row has stopped.
+        Between decode steps :func:`cancel_point` lets a cancelled run stop promptly.
+        """
+        batch, length = prompt_ids.shape
+        if length + max_new_tokens - 1 > self.config.max_len:
+            raise ValueError(
+                f"prompt of {length} tokens + {max_new_tokens} new exceeds "
+                f"max_len {self.config.max_len}"
+            )
+        ids = prompt_ids
+        done = torch.zeros(batch, dtype=torch.bool, device=prompt_ids.device)
+        new_tokens: list[Tensor] = []
+        for step in range(max_new_tokens):
+            if step:
+                cancel_point()
+            logits = self(ids)[:, -1]
+            if temperature > 0:
+                probs = torch.softmax(logits / temperature, dim=-1)
+                token = torch.multinomial(probs, 1, generator=generator).squeeze(1)
+            else:
+                token = logits.argmax(dim=-1)
+            token = token.masked_fill(done, stop_id)
+            new_tokens.append(token)
+            done |= token == stop_id
+            if bool(done.all()):
+                break
+            ids = torch.cat([ids, token[:, None]], dim=1)
+        return torch.stack(new_tokens, dim=1)
+
+
+def _init_weights(module: nn.Module) -> None:
+    # Small init (GPT-2 style): with the tied head, PyTorch's N(0, 1) embedding init
+    # would start at logits ~10x too large and a loss far above log(vocab_size).
+    if isinstance(module, nn.Linear | nn.Embedding):
+        nn.init.normal_(module.weight, std=0.02)
+    if isinstance(module, nn.Linear) and module.bias is not None:
+        nn.init.zeros_(module.bias)

@@ -1,0 +1,195 @@
+"""Supervised fine-tuning of TinyLM on a synthetic task or a JSONL file of (prompt, answer).
+
+The simplest trainer on the loop template: "rollout" only tokenises the batch and
+``train_step`` is teacher-forced cross-entropy on the answer tokens. Its checkpoints
+warm-start the RL trainers through :func:`load_policy`.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Any, Literal, get_args
+
+import msgspec
+import torch
+import torch.nn.functional as F
+
+from corun.compute import cancel_point
+from corun.config import TrainerConfig
+from corun.data import Dataset, ShuffledBatches, read_jsonl
+from corun.errors import CheckpointError
+from corun.trainer import Batch, SetupContext, Trainer
+from trainers.lm.model import ModelConfig, TinyLM
+from trainers.lm.tasks import (
+    CHARS,
+    EOS,
+    MAX_LEN,
+    TASKS,
+    VOCAB_SIZE,
+    TaskData,
+    TokenBatch,
+    decode_responses,
+    encode_examples,
+    encode_prompts,
+    unknown_chars,
+)
+
+TaskName = Literal["sort", "addition", "reverse"]
+PositiveInt = Annotated[int, msgspec.Meta(ge=1)]
+NonNegativeFloat = Annotated[float, msgspec.Meta(ge=0)]
+assert set(get_args(TaskName)) == TASKS.keys(), "TaskName must list exactly the tasks"
+
+
+class SFTConfig(TrainerConfig, frozen=True, forbid_unknown_fields=True, kw_only=True):
+    """``[trainer]`` of an SFT run: the task, the TinyLM shape and the optimizer."""
+
+    task: TaskName = "sort"
+    d_model: PositiveInt = 128
+    n_layers: PositiveInt = 2
+    n_heads: PositiveInt = 4
+    lr: Annotated[float, msgspec.Meta(gt=0)] = 1e-3
+    weight_decay: NonNegativeFloat = 0.0
+    # Max global gradient norm; 0 turns clipping off (the norm is still reported).
+    grad_clip: NonNegativeFloat = 1.0
+    # Gradient accumulation: the batch is split into this many chunks, one backward each.
+    micro_batches: PositiveInt = 1
+    # Held-out prompts scored by every evaluation.
+    eval_size: PositiveInt = 512
+
+    def __post_init__(self) -> None:
+        if self.d_model % self.n_heads:
+            # Paths relative to this table, like msgspec's own; the loader prefixes `.trainer`.
+            raise ValueError(
+                f"`$.d_model` ({self.d_model}) must be divisible by `$.n_heads` ({self.n_heads})"
+            )
+
+
+class SFTRecord(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """One line of an SFT data file; checked while decoding, so errors name ``file:line``."""
+
+    prompt: Annotated[str, msgspec.Meta(min_length=1)]
+    answer: str
+
+    def __post_init__(self) -> None:
+        bad = unknown_chars(self.prompt + self.answer)
+        if bad:
+            raise ValueError(f"characters {bad!r} are not in the vocabulary {CHARS!r}")
+        if len(self.prompt) + len(self.answer) + 1 > MAX_LEN:
+            raise ValueError(f"prompt + answer + EOS exceeds {MAX_LEN} tokens")
+
+
+class SFTTrainer(Trainer[SFTConfig]):
+    Config = SFTConfig
+
+    def setup(self, ctx: SetupContext) -> None:
+        # The runtime has seeded the global RNGs with run.seed: the model init draws from them.
+        cfg = self.config
+        self.task = TASKS[cfg.task]
+        self.model_config = ModelConfig(
+            vocab_size=VOCAB_SIZE,
+            d_model=cfg.d_model,
+            n_layers=cfg.n_layers,
+            n_heads=cfg.n_heads,
+            max_len=MAX_LEN,
+        )
+        self.model = TinyLM(self.model_config)
+        self.optimizer = torch.optim.AdamW(
+            self.model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay
+        )
+        # Built once: the held-out set is fixed, and building it draws no global randomness.
+        self.eval_examples = self.task.eval_set(cfg.eval_size)
+        self.eval_tokens = encode_examples(self.eval_examples)
+        self.eval_prompts = encode_prompts([prompt for prompt, _ in self.eval_examples])
+
+    def dataset(self) -> Dataset:
+        data, seed = self.run_config.data, self.run_config.run.seed
+        if data.path:
+            records = read_jsonl(data.path, SFTRecord)
+            examples = [(r.prompt, r.answer) for r in records]
+            return ShuffledBatches(examples, data.batch_size, seed, data.shuffle)
+        return TaskData(TASKS[self.config.task], data.batch_size, seed)
+
+    def rollout(self, inputs: list[tuple[str, str]], step: int) -> Batch:
+        """SFT's build phase: tokenise the examples; nothing is generated."""
+        return Batch(data=encode_examples(inputs))
+
+    def train_step(self, batch: Batch) -> dict[str, float]:
+        tokens: TokenBatch = batch.data
+        # Token mean over the whole batch, not per chunk: the update is the same for
+        # any micro_batches (up to float rounding).
+        num_tokens = int(tokens.loss_mask.sum())
+        self.model.train()
+        self.optimizer.zero_grad(set_to_none=True)
+        loss_sum = 0.0
+        for i, chunk in enumerate(tokens.chunks(self.config.micro_batches)):
+            if i:
+                cancel_point()
+            chunk_loss = masked_loss_sum(self.model(chunk.inputs), chunk) / num_tokens
+            chunk_loss.backward()
+            loss_sum += chunk_loss.item()
+        params = list(self.model.parameters())
+        if self.config.grad_clip > 0:
+            grad_norm = torch.nn.utils.clip_grad_norm_(params, self.config.grad_clip)
+        else:
+            grads = [p.grad for p in params if p.grad is not None]
+            grad_norm = torch.nn.utils.get_total_norm(grads)
+        self.optimizer.step()
+        return {"train/loss": loss_sum, "train/grad_norm": float(grad_norm)}
+
+    @torch.no_grad()
+    def evaluate(self) -> dict[str, float]:
+        """Greedy exact match and masked loss on the held-out set; draws no random numbers."""
+        self.model.eval()
+        tokens = self.eval_tokens
+        loss = masked_loss_sum(self.model(tokens.inputs), tokens) / tokens.loss_mask.sum()
+        new_ids = self.model.generate(self.eval_prompts, self.task.max_answer_len + 1, stop_id=EOS)
+        responses = decode_responses(new_ids)
+        exact = rewards = 0.0
+        for (prompt, answer), response in zip(self.eval_examples, responses, strict=True):
+            exact += response == answer
+            rewards += self.task.reward(prompt, answer, response)
+        n = len(responses)
+        return {
+            "eval/loss": float(loss),
+            "eval/accuracy": exact / n,
+            "eval/reward_mean": rewards / n,
+        }
+
+    def wandb_extra(self) -> dict[str, Any]:
+        return {"model/num_params": self.model.num_params()}
+
+    def state_dict(self) -> dict[str, Any]:
+        """Live tensors (not copies): serialise before the next train_step mutates them."""
+        return {
+            "model": self.model.state_dict(),
+            "optimizer": self.optimizer.state_dict(),
+            "model_config": msgspec.structs.asdict(self.model_config),
+            "task": self.config.task,
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        saved = state["model_config"], state["task"]
+        ours = msgspec.structs.asdict(self.model_config), self.config.task
+        if saved != ours:
+            raise CheckpointError(
+                f"checkpoint is for model {saved[0]} on task {saved[1]!r}, "
+                f"this run builds {ours[0]} on task {ours[1]!r}"
+            )
+        self.model.load_state_dict(state["model"])
+        self.optimizer.load_state_dict(state["optimizer"])
+
+
+def masked_loss_sum(logits: torch.Tensor, tokens: TokenBatch) -> torch.Tensor:
+    """Summed cross-entropy over the targets in ``tokens.loss_mask`` (answer + EOS)."""
+    losses = F.cross_entropy(logits.flatten(0, 1), tokens.targets.flatten(), reduction="none")
+    return (losses * tokens.loss_mask.flatten()).sum()
+
+
+def load_policy(state: dict[str, Any]) -> TinyLM:
+    """Rebuild the TinyLM of an SFT ``state_dict()``: how RL trainers warm-start from SFT."""
+    # Built on the meta device: no init work, and no draws from the global RNG that
+    # would shift the caller's random stream.
+    with torch.device("meta"):
+        model = TinyLM(msgspec.convert(state["model_config"], ModelConfig))
+    model.to_empty(device="cpu")
+    model.load_state_dict(state["model"])
+    return model
