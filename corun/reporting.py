@@ -60,11 +60,15 @@ class Progress:
         headline = "  ".join(f"{k}={v:.4g}" for k, v in sorted(self._headline.items()))
         if self._bar is not None:
             self._bar.update(self._task, completed=step, headline=headline)
-        elif (
-            self.mode == "plain"
-            and step != self._last_printed
-            and (step % self._plain_every == 0 or step == self.total)
-        ):
+        elif self.mode == "plain":
+            self._print_plain(step, metrics, headline)
+
+    def _print_plain(self, step: int, metrics: Mapping[str, float], headline: str) -> None:
+        evals = {k: v for k, v in metrics.items() if k.startswith("eval/")}
+        if evals:
+            line = "  ".join(f"{k}={v:.4g}" for k, v in sorted(evals.items()))
+            print(f"eval at step {step}/{self.total}  {line}", file=sys.stderr, flush=True)
+        elif step != self._last_printed and (step % self._plain_every == 0 or step == self.total):
             self._last_printed = step
             print(f"step {step}/{self.total}  {headline}", file=sys.stderr, flush=True)
 

@@ -27,3 +27,9 @@ def make_config(run_dir: Path, trainer: dict[str, Any], **sections: dict[str, An
         **sections,
     }
     return corun.config_from_dict(raw)
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    config.addinivalue_line(
+        "markers", "slow: several seconds (subprocesses, deadlines); runs in CI, never skipped"
+    )
