@@ -12,7 +12,7 @@ from corun.errors import CheckpointError, ConfigError, DataError, UsageError
 from corun.loop import run
 from corun.procs import ChildProcess
 from corun.teardown import RunControl
-from corun.trainer import Batch, Metrics, Outcome, SetupContext, Trainer
+from corun.trainer import Batch, Metrics, Outcome, SetupContext, Trainer, resolve_trainer
 
 __version__ = "0.1.0"
 
@@ -37,5 +37,6 @@ __all__ = [
     "config_from_dict",
     "load_config",
     "read_jsonl",
+    "resolve_trainer",
     "run",
 ]
