@@ -88,18 +88,31 @@ def _truncate_after(path: Path, step: int) -> None:
 
 
 class Trace:
-    """Chrome-trace spans (``ph: X``), one track per task, written as they close."""
+    """Chrome-trace spans (``ph: X``), one track per task, written as they close.
+
+    The file is valid JSON after a clean close (it ends with ``]``); after a crash it
+    still opens, since the trace viewers accept an array left open. A resumed run
+    reopens the array and appends.
+    """
 
     def __init__(self, run_dir: Path) -> None:
         self.path = run_dir / TRACE_FILE
-        fresh = not self.path.exists() or self.path.stat().st_size == 0
-        self._file = _LineFile(self.path)
-        if fresh:
-            with self._file._lock:
-                assert self._file._file is not None
-                self._file._file.write(b"[\n")
+        self._lock = threading.Lock()
         self._pid = os.getpid()
         self._tracks: dict[str, int] = {}
+        self._file: BinaryIO | None = open(self.path, "a+b")  # closed in close()
+        self._reopen_array(self._file)
+
+    @staticmethod
+    def _reopen_array(f: BinaryIO) -> None:
+        size = f.seek(0, os.SEEK_END)
+        if size == 0:
+            f.write(b"[\n")
+            return
+        f.seek(max(0, size - 2))
+        if f.read().rstrip().endswith(b"]"):  # closed cleanly: reopen the array
+            f.truncate(size - 2 if size >= 2 else 0)
+            f.write(b",\n")
 
     @contextmanager
     def span(self, name: str, track: str, **args: Any) -> Iterator[None]:
@@ -110,39 +123,38 @@ class Trace:
             self.complete(name, track, start, time.time(), **args)
 
     def complete(self, name: str, track: str, start: float, end: float, **args: Any) -> None:
-        with self._file._lock:
-            if self._file._file is None:
+        span = {
+            "name": name,
+            "ph": "X",
+            "ts": round(start * 1e6, 1),
+            "dur": round((end - start) * 1e6, 1),
+            "pid": self._pid,
+            "args": args,
+        }
+        with self._lock:
+            if self._file is None:
                 return
             tid = self._tracks.get(track)
             if tid is None:
                 tid = self._tracks[track] = len(self._tracks) + 1
-                self._write_locked(
-                    {
-                        "name": "thread_name",
-                        "ph": "M",
-                        "pid": self._pid,
-                        "tid": tid,
-                        "args": {"name": track},
-                    }
-                )
-            self._write_locked(
-                {
-                    "name": name,
-                    "ph": "X",
-                    "ts": round(start * 1e6, 1),
-                    "dur": round((end - start) * 1e6, 1),
-                    "pid": self._pid,
-                    "tid": tid,
-                    "args": args,
-                }
-            )
+                thread_name = {"name": track}
+                self._write({"name": "thread_name", "ph": "M", "pid": self._pid, "tid": tid,
+                             "args": thread_name})  # fmt: skip
+            self._write({**span, "tid": tid})
 
-    def _write_locked(self, record: dict[str, Any]) -> None:
-        assert self._file._file is not None
-        self._file._file.write(_encoder.encode(record) + b",\n")
+    def _write(self, record: dict[str, Any], last: bool = False) -> None:
+        assert self._file is not None
+        self._file.write(_encoder.encode(record) + (b"]\n" if last else b",\n"))
 
     def close(self) -> None:
-        self._file.close()
+        with self._lock:
+            if self._file is None:
+                return
+            process_name = {"name": "corun"}
+            self._write({"name": "process_name", "ph": "M", "pid": self._pid,
+                         "args": process_name}, last=True)  # fmt: skip
+            self._file.close()
+            self._file = None
 
 
 def read_jsonl(path: str | Path) -> list[dict[str, Any]]:

@@ -111,3 +111,18 @@ async def test_finished_run_resumes_to_nothing(tmp_path: Path) -> None:
         outcome = await corun.run(again, again.run_config)
     assert outcome.reason == "done" and outcome.step == 2
     assert not [c for c in again.calls if c.startswith(("rollout", "train"))]
+
+
+async def test_trace_is_valid_json_across_a_resume(tmp_path: Path) -> None:
+    import json
+
+    with anyio.fail_after(30):
+        for steps in (2, 4):
+            trainer = _trainer(tmp_path / "run", steps)
+            await corun.run(trainer, trainer.run_config)
+    events = json.loads((tmp_path / "run" / "trace.json").read_text())
+    spans = [e for e in events if e["ph"] == "X"]
+    assert [e["args"]["step"] for e in spans if e["name"] == "train"] == [1, 2, 3, 4]
+    assert all(e["dur"] >= 0 for e in spans)
+    tracks = {e["args"]["name"] for e in events if e["name"] == "thread_name"}
+    assert {"producer", "trainer"} <= tracks
