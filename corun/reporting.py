@@ -16,7 +16,9 @@ from typing import Any
 from corun.config import Config
 from corun.events import MetricsLog
 
-_HEADLINE_PREFIXES = ("train/loss", "eval/", "rollout/reward_mean")
+# What the progress line shows, in this order, when a trainer logs it.
+_HEADLINE = ("train/loss", "rollout/reward_mean", "eval/accuracy", "eval/reward", "eval/loss")
+_HEADLINE_MAX = 3
 
 
 class Progress:
@@ -54,10 +56,11 @@ class Progress:
             self._bar.start()
 
     def update(self, step: int, metrics: Mapping[str, float]) -> None:
-        for key, value in metrics.items():
-            if key.startswith(_HEADLINE_PREFIXES):
-                self._headline[key] = value
-        headline = "  ".join(f"{k}={v:.4g}" for k, v in sorted(self._headline.items()))
+        for key in _HEADLINE:
+            if key in metrics:
+                self._headline[key] = metrics[key]
+        shown = [k for k in _HEADLINE if k in self._headline][:_HEADLINE_MAX]
+        headline = "  ".join(f"{k}={self._headline[k]:.4g}" for k in shown)
         if self._bar is not None:
             self._bar.update(self._task, completed=step, headline=headline)
         elif self.mode == "plain":

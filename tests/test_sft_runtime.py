@@ -104,3 +104,28 @@ async def test_sft_learns(tmp_path: Path) -> None:
     assert last["eval/loss"] < 0.5 * first["eval/loss"]
     # Chance exact match on 6 sorted digits is ~0; 60 steps reach well above 0.2.
     assert last["eval/accuracy"] > first["eval/accuracy"] + 0.2
+
+
+@pytest.mark.parametrize(
+    ("line", "why"),
+    [
+        ('{"prompt": "31>", "answer": "13"', "malformed JSON"),
+        ('{"prompt": "31>"}', "missing field"),
+        ('{"prompt": "ab>", "answer": "ab"}', "character outside the vocabulary"),
+    ],
+)
+def test_bad_data_file_exits_2_naming_the_line(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], line: str, why: str
+) -> None:
+    from corun.cli import main
+
+    data = tmp_path / "data.jsonl"
+    data.write_text('{"prompt": "21>", "answer": "12"}\n' * 16 + line + "\n")
+    config = tmp_path / "sft.toml"
+    config.write_text('[trainer]\nkind = "sft"\nd_model = 32\nn_heads = 2\n')
+    code = main(["train", str(config), f"run.dir={tmp_path / 'run'}", f"data.path={data}",
+                 "log.progress=off", "run.steps=2"])  # fmt: skip
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 2, why
+    assert len(err) == 1 and err[0].startswith("corun: error:"), err
+    assert f"{data}:17" in err[0], why
