@@ -212,4 +212,11 @@ def parse_value(text: str) -> Any:
 
 
 def to_toml(config: Config) -> str:
-    return msgspec.toml.encode(config).decode()
+    """The resolved config as TOML; unset optional values (None) are left out."""
+    return msgspec.toml.encode(_without_none(msgspec.to_builtins(config))).decode()
+
+
+def _without_none(tree: Any) -> Any:
+    if isinstance(tree, dict):
+        return {k: _without_none(v) for k, v in tree.items() if v is not None}
+    return tree

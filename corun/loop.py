@@ -142,11 +142,9 @@ class _Session:
             config_digest=config.digest(),
         )
         _seed_everything(config.run.seed)
-        ctx = SetupContext(config)
+        ctx = SetupContext(config, register=self.teardown.push)
         with self.trace.span("setup", "trainer"):
             await call_hook(self.train_lane, trainer.setup, ctx)
-        for name, fn in ctx.teardowns:
-            self.teardown.push(name, fn)
         self.events.emit("setup", self.clock.step)
         self.dataset = trainer.dataset()
         if self.restored is not None:

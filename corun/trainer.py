@@ -61,13 +61,22 @@ class SetupContext:
     the channel is closed first.
     """
 
-    def __init__(self, config: CorunConfig) -> None:
+    def __init__(
+        self, config: CorunConfig, register: Callable[[str, TeardownFn], None] | None = None
+    ) -> None:
         self.config = config
         self.teardowns: list[tuple[str, TeardownFn]] = []
+        self._register = register
 
     def on_teardown(self, name: str, fn: TeardownFn) -> None:
-        """Run ``fn`` (sync or async) at teardown, logged as ``teardown:<name>``."""
+        """Run ``fn`` (sync or async) at teardown, logged as ``teardown:<name>``.
+
+        Registered at once, so a set-up that fails or is interrupted half-way still
+        releases what it had started.
+        """
         self.teardowns.append((name, fn))
+        if self._register is not None:
+            self._register(name, fn)
 
 
 class Trainer(Generic[C]):
