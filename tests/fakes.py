@@ -30,6 +30,19 @@ class FakeConfig(corun.TrainerConfig, frozen=True, forbid_unknown_fields=True, k
     teardown_fails: bool = False  # the weight-sync teardown step raises
 
 
+# The documented teardown order (DESIGN.md), for a trainer that registers an engine
+# and then a weight-sync channel, as FakeTrainer does.
+TEARDOWN_ORDER = [
+    "teardown:stop",
+    "teardown:save",
+    "teardown:checkpoints",
+    "teardown:weight_sync",
+    "teardown:engine",
+    "teardown:logging",
+    "teardown:on_train_end",
+]
+
+
 class FakeError(RuntimeError):
     pass
 

@@ -17,20 +17,11 @@ import corun
 from corun import checkpoint
 from corun.events import read_jsonl
 from tests.conftest import make_config
-from tests.fakes import FakeError, FakeTrainer
+from tests.fakes import TEARDOWN_ORDER, FakeError, FakeTrainer
 
 pytestmark = pytest.mark.anyio
 
-TEARDOWN = [
-    "teardown:stop",
-    "teardown:save",
-    "teardown:checkpoints",
-    "teardown:weight_sync",
-    "teardown:engine",
-    "teardown:logging",
-    "teardown:on_train_end",
-    "end",
-]
+TEARDOWN = [*TEARDOWN_ORDER, "end"]
 LOOP = {"eval_interval": 2, "save_interval": 2}
 
 

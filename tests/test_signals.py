@@ -34,20 +34,12 @@ import pytest
 import tomli_w
 
 from corun import checkpoint
+from tests.fakes import TEARDOWN_ORDER
 
 REPO = Path(__file__).resolve().parents[1]
 WAIT_S = 60.0  # deadline for a phase marker or an event to appear
 EXIT_S = 30.0  # deadline for the process to exit after the (last) signal
 
-TEARDOWN_ORDER = [
-    "teardown:stop",
-    "teardown:save",
-    "teardown:checkpoints",
-    "teardown:weight_sync",
-    "teardown:engine",
-    "teardown:logging",
-    "teardown:on_train_end",
-]
 # Registered before the trainer's setup runs, so present even when it is interrupted.
 ALWAYS = ["teardown:stop", "teardown:logging", "teardown:on_train_end"]
 EXIT_CODE = {signal.SIGINT: 130, signal.SIGTERM: 143}
