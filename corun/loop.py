@@ -27,15 +27,15 @@ import anyio.to_thread
 import numpy as np
 import torch
 
-from corun import checkpoint
+from corun import checkpoint, pipeline
 from corun.clock import Clock
 from corun.compute import Lane, call_hook
-from corun.config import Config
+from corun.config import Config, load_config
 from corun.errors import CheckpointError
 from corun.events import EventLog, Trace
 from corun.reporting import Reporter
 from corun.teardown import RunControl, Teardown
-from corun.trainer import Batch, Outcome, SetupContext, Trainer, overrides
+from corun.trainer import Batch, Outcome, SetupContext, Trainer, overrides, resolve_trainer
 
 
 async def run(
@@ -111,6 +111,7 @@ class _Session:
             self.teardown.step = self.clock.step
             self.events.emit("teardown:stop", self.clock.step, status="ok")
             teardown_error = await self.teardown.run()
+            self.trace.close()
             self._end(self.outcome)
         if failure is not None:
             raise _first_error(failure)
@@ -131,8 +132,6 @@ class _Session:
     async def _setup(self) -> None:
         config, trainer = self.config, self.trainer
         self.teardown.push("on_train_end", self._on_train_end)
-        self.reporter = Reporter(config, self.run_dir, self.clock.step if self.restored else 0)
-        self.teardown.push("logging", self._close_logging)
         self.events.emit(
             "start",
             self.clock.step,
@@ -141,6 +140,11 @@ class _Session:
             steps=config.run.steps,
             config_digest=config.digest(),
         )
+        # Before this run's progress display starts: a prerequisite shows its own.
+        for prerequisite in trainer.prerequisites():
+            await self._prerequisite(Path(prerequisite))
+        self.reporter = Reporter(config, self.run_dir, self.clock.step if self.restored else 0)
+        self.teardown.push("logging", self._close_logging)
         _seed_everything(config.run.seed)
         ctx = SetupContext(config, register=self.teardown.push)
         with self.trace.span("setup", "trainer"):
@@ -152,6 +156,15 @@ class _Session:
         self.reporter.start_wandb(self.run_id, trainer.wandb_extra())
         self.teardown.push("checkpoints", self._drain_writes)
         self.teardown.push("save", self._save_on_interrupt, optional=True)
+
+    async def _prerequisite(self, path: Path) -> None:
+        """Train a run this one starts from, unless it is complete already."""
+        config = load_config(path)
+        done = pipeline.final_checkpoint(config)
+        self.events.emit("prerequisite", self.clock.step, config=str(path), reused=bool(done))
+        if done is None:
+            trainer = resolve_trainer(config.trainer.kind)(config)
+            await run(trainer, config)  # nested: a stop of this run cancels it too
 
     async def _restore(self, state: checkpoint.TrainerState, tensors: Any) -> None:
         try:
@@ -321,9 +334,8 @@ class _Session:
     # ------------------------------------------------------------------ end
 
     def _close_logging(self) -> None:
-        if self.reporter is not None:
-            self.reporter.close()
-        self.trace.close()
+        assert self.reporter is not None
+        self.reporter.close()
 
     async def _on_train_end(self) -> None:
         assert self.outcome is not None

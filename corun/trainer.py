@@ -14,9 +14,10 @@ every exit path.
 from __future__ import annotations
 
 import importlib
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from importlib.metadata import entry_points
+from pathlib import Path
 from typing import Any, ClassVar, Generic, TypeVar
 
 from corun.config import Config as CorunConfig
@@ -89,6 +90,10 @@ class Trainer(Generic[C]):
         self.config: C = config.trainer  # type: ignore[assignment]
 
     # ---- set-up and data
+    def prerequisites(self) -> Sequence[str | Path]:
+        """Configs of runs to train (or reuse, when complete) before this one's set-up."""
+        return ()
+
     def setup(self, ctx: SetupContext) -> None:
         """Build models, optimizer, engine; register what needs teardown on ``ctx``."""
 

@@ -82,7 +82,7 @@ async def test_resume_after_interrupt_equals_uninterrupted(tmp_path: Path) -> No
 
         # Interrupt inside step 6's train call: step 5 is the last complete step, and
         # not on the save interval, so only the save on interrupt can hold it.
-        slow = {**FAKE, "slow_in": "train", "slow_s": 0.3}
+        slow = {**FAKE, "slow_in": "train", "slow_s": 0.05}
         first = _trainer(tmp_path / "split", 8, slow)
         control = corun.RunControl()
         async with anyio.create_task_group() as tg:
