@@ -221,7 +221,7 @@ def test_evaluate_draws_no_global_randomness() -> None:
     before = global_rng_states()
     metrics = sft.evaluate()
     assert_same_rng(before, global_rng_states())
-    assert set(metrics) == {"eval/loss", "eval/accuracy", "eval/reward_mean"}
+    assert set(metrics) == {"eval/loss", "eval/accuracy", "eval/reward"}
     assert 0.0 <= metrics["eval/accuracy"] <= 1.0
 
 

@@ -18,20 +18,18 @@ from corun.config import TrainerConfig
 from corun.data import Dataset, ShuffledBatches, read_jsonl
 from corun.errors import CheckpointError
 from corun.trainer import Batch, SetupContext, Trainer
-from trainers.lm.model import ModelConfig, TinyLM
+from trainers.lm.policy import HeldOutEval, build_policy, load_policy
 from trainers.lm.tasks import (
     CHARS,
-    EOS,
     MAX_LEN,
     TASKS,
-    VOCAB_SIZE,
     TaskData,
     TokenBatch,
-    decode_responses,
     encode_examples,
-    encode_prompts,
     unknown_chars,
 )
+
+__all__ = ["SFTConfig", "SFTTrainer", "load_policy"]
 
 TaskName = Literal["sort", "addition", "reverse"]
 PositiveInt = Annotated[int, msgspec.Meta(ge=1)]
@@ -84,21 +82,13 @@ class SFTTrainer(Trainer[SFTConfig]):
         # The runtime has seeded the global RNGs with run.seed: the model init draws from them.
         cfg = self.config
         self.task = TASKS[cfg.task]
-        self.model_config = ModelConfig(
-            vocab_size=VOCAB_SIZE,
-            d_model=cfg.d_model,
-            n_layers=cfg.n_layers,
-            n_heads=cfg.n_heads,
-            max_len=MAX_LEN,
-        )
-        self.model = TinyLM(self.model_config)
+        self.model = build_policy(cfg.d_model, cfg.n_layers, cfg.n_heads)
         self.optimizer = torch.optim.AdamW(
             self.model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay
         )
         # Built once: the held-out set is fixed, and building it draws no global randomness.
-        self.eval_examples = self.task.eval_set(cfg.eval_size)
-        self.eval_tokens = encode_examples(self.eval_examples)
-        self.eval_prompts = encode_prompts([prompt for prompt, _ in self.eval_examples])
+        self.held_out = HeldOutEval(self.task, cfg.eval_size)
+        self.eval_tokens = encode_examples(self.held_out.examples)
 
     def dataset(self) -> Dataset:
         data, seed = self.run_config.data, self.run_config.run.seed
@@ -137,22 +127,11 @@ class SFTTrainer(Trainer[SFTConfig]):
 
     @torch.no_grad()
     def evaluate(self) -> dict[str, float]:
-        """Greedy exact match and masked loss on the held-out set; draws no random numbers."""
+        """Greedy exact match, mean reward and masked loss on the held-out set."""
         self.model.eval()
         tokens = self.eval_tokens
         loss = masked_loss_sum(self.model(tokens.inputs), tokens) / tokens.loss_mask.sum()
-        new_ids = self.model.generate(self.eval_prompts, self.task.max_answer_len + 1, stop_id=EOS)
-        responses = decode_responses(new_ids)
-        exact = rewards = 0.0
-        for (prompt, answer), response in zip(self.eval_examples, responses, strict=True):
-            exact += response == answer
-            rewards += self.task.reward(prompt, answer, response)
-        n = len(responses)
-        return {
-            "eval/loss": float(loss),
-            "eval/accuracy": exact / n,
-            "eval/reward_mean": rewards / n,
-        }
+        return {"eval/loss": float(loss), **self.held_out(self.model)}
 
     def wandb_extra(self) -> dict[str, Any]:
         return {"model/num_params": self.model.num_params()}
@@ -162,13 +141,13 @@ class SFTTrainer(Trainer[SFTConfig]):
         return {
             "model": self.model.state_dict(),
             "optimizer": self.optimizer.state_dict(),
-            "model_config": msgspec.structs.asdict(self.model_config),
+            "model_config": msgspec.structs.asdict(self.model.config),
             "task": self.config.task,
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         saved = state["model_config"], state["task"]
-        ours = msgspec.structs.asdict(self.model_config), self.config.task
+        ours = msgspec.structs.asdict(self.model.config), self.config.task
         if saved != ours:
             raise CheckpointError(
                 f"checkpoint is for model {saved[0]} on task {saved[1]!r}, "
@@ -182,14 +161,3 @@ def masked_loss_sum(logits: torch.Tensor, tokens: TokenBatch) -> torch.Tensor:
     """Summed cross-entropy over the targets in ``tokens.loss_mask`` (answer + EOS)."""
     losses = F.cross_entropy(logits.flatten(0, 1), tokens.targets.flatten(), reduction="none")
     return (losses * tokens.loss_mask.flatten()).sum()
-
-
-def load_policy(state: dict[str, Any]) -> TinyLM:
-    """Rebuild the TinyLM of an SFT ``state_dict()``: how RL trainers warm-start from SFT."""
-    # Built on the meta device: no init work, and no draws from the global RNG that
-    # would shift the caller's random stream.
-    with torch.device("meta"):
-        model = TinyLM(msgspec.convert(state["model_config"], ModelConfig))
-    model.to_empty(device="cpu")
-    model.load_state_dict(state["model"])
-    return model

@@ -11,7 +11,7 @@ prefix is a dozen tokens and the simpler code wins.
 
 from __future__ import annotations
 
-from typing import Annotated
+from typing import Annotated, NamedTuple
 
 import msgspec
 import torch
@@ -81,6 +81,10 @@ class TinyLM(nn.Module):
 
     def forward(self, ids: Tensor) -> Tensor:
         """``ids`` (batch, length) -> logits (batch, length, vocab_size)."""
+        return self.head(self.hidden(ids))
+
+    def hidden(self, ids: Tensor) -> Tensor:
+        """Final hidden states (batch, length, d_model), after the last LayerNorm."""
         length = ids.shape[1]
         if length > self.config.max_len:
             raise ValueError(f"sequence of {length} tokens exceeds max_len {self.config.max_len}")
@@ -88,10 +92,12 @@ class TinyLM(nn.Module):
         x = self.tok(ids) + self.pos(positions)
         for block in self.blocks:
             x = block(x)
-        # Tied head: the output projection is the token embedding.
-        return F.linear(self.ln_out(x), self.tok.weight)
+        return self.ln_out(x)
 
-    @torch.no_grad()
+    def head(self, hidden: Tensor) -> Tensor:
+        # Tied head: the output projection is the token embedding.
+        return F.linear(hidden, self.tok.weight)
+
     def generate(
         self,
         prompt_ids: Tensor,
@@ -101,38 +107,77 @@ class TinyLM(nn.Module):
         temperature: float = 0.0,
         generator: torch.Generator | None = None,
     ) -> Tensor:
-        """Continue equal-length prompts; returns the new ids (batch, n <= max_new_tokens).
+        """Continue equal-length prompts; returns the new ids (batch, n <= max_new_tokens)."""
+        return decode(
+            self, prompt_ids, max_new_tokens, stop_id=stop_id, temperature=temperature,
+            generator=generator,
+        ).tokens  # fmt: skip
 
-        ``temperature`` 0 is greedy and draws no random numbers; above 0 samples from
-        ``generator`` (the global torch RNG if None). A row that has emitted ``stop_id``
-        keeps emitting it, and decoding ends early once every row has stopped.
-        Between decode steps :func:`cancel_point` lets a cancelled run stop promptly.
-        """
-        batch, length = prompt_ids.shape
-        if length + max_new_tokens - 1 > self.config.max_len:
-            raise ValueError(
-                f"prompt of {length} tokens + {max_new_tokens} new exceeds "
-                f"max_len {self.config.max_len}"
-            )
-        ids = prompt_ids
-        done = torch.zeros(batch, dtype=torch.bool, device=prompt_ids.device)
-        new_tokens: list[Tensor] = []
-        for step in range(max_new_tokens):
-            if step:
-                cancel_point()
-            logits = self(ids)[:, -1]
-            if temperature > 0:
-                probs = torch.softmax(logits / temperature, dim=-1)
-                token = torch.multinomial(probs, 1, generator=generator).squeeze(1)
-            else:
-                token = logits.argmax(dim=-1)
-            token = token.masked_fill(done, stop_id)
-            new_tokens.append(token)
-            done |= token == stop_id
-            if bool(done.all()):
-                break
-            ids = torch.cat([ids, token[:, None]], dim=1)
-        return torch.stack(new_tokens, dim=1)
+
+class Decoded(NamedTuple):
+    tokens: Tensor  # (batch, n) new ids; after a row's stop_id, stop_id again
+    logprobs: Tensor  # (batch, n) log-prob of each token under the sampling distribution
+
+
+@torch.no_grad()
+def decode(
+    model: TinyLM,
+    prompt_ids: Tensor,
+    max_new_tokens: int,
+    *,
+    stop_id: int,
+    temperature: float = 0.0,
+    top_p: float = 1.0,
+    generator: torch.Generator | None = None,
+) -> Decoded:
+    """Batched decoding of equal-length prompts: greedy, or sampled with top-p.
+
+    ``temperature`` 0 is greedy and draws no random numbers; above 0 samples from
+    ``generator`` (the global torch RNG if None), and the log-probs are those of the
+    temperature-scaled, top-p-truncated distribution that was sampled. A row that
+    has emitted ``stop_id`` keeps emitting it, and decoding ends early once every row
+    has stopped. Between decode steps :func:`cancel_point` lets a cancelled run stop.
+    """
+    batch, length = prompt_ids.shape
+    if length + max_new_tokens - 1 > model.config.max_len:
+        raise ValueError(
+            f"prompt of {length} tokens + {max_new_tokens} new exceeds "
+            f"max_len {model.config.max_len}"
+        )
+    ids = prompt_ids
+    done = torch.zeros(batch, dtype=torch.bool, device=prompt_ids.device)
+    tokens: list[Tensor] = []
+    logprobs: list[Tensor] = []
+    for step in range(max_new_tokens):
+        if step:
+            cancel_point()
+        logits = model(ids)[:, -1]
+        if temperature > 0:
+            log_dist = top_p_log_probs(logits / temperature, top_p)
+            token = torch.multinomial(log_dist.exp(), 1, generator=generator).squeeze(1)
+        else:
+            log_dist = torch.log_softmax(logits, dim=-1)
+            token = logits.argmax(dim=-1)
+        token = token.masked_fill(done, stop_id)
+        tokens.append(token)
+        logprobs.append(log_dist.gather(1, token[:, None]).squeeze(1).masked_fill(done, 0.0))
+        done |= token == stop_id
+        if bool(done.all()):
+            break
+        ids = torch.cat([ids, token[:, None]], dim=1)
+    return Decoded(torch.stack(tokens, dim=1), torch.stack(logprobs, dim=1))
+
+
+def top_p_log_probs(logits: Tensor, top_p: float) -> Tensor:
+    """Log-probs over the smallest set of tokens whose mass reaches ``top_p`` (-inf elsewhere)."""
+    log_probs = torch.log_softmax(logits, dim=-1)
+    if top_p >= 1.0:
+        return log_probs
+    sorted_lp, order = log_probs.sort(dim=-1, descending=True)
+    mass_before = sorted_lp.exp().cumsum(dim=-1) - sorted_lp.exp()
+    sorted_lp = sorted_lp.masked_fill(mass_before >= top_p, float("-inf"))
+    kept = torch.full_like(log_probs, float("-inf")).scatter(-1, order, sorted_lp)
+    return torch.log_softmax(kept, dim=-1)
 
 
 def _init_weights(module: nn.Module) -> None:

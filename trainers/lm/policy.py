@@ -1,0 +1,89 @@
+"""Pieces every TinyLM trainer shares: building the policy, warm-starting it from a
+checkpoint, held-out greedy evaluation, and per-token log-probs of responses."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import msgspec
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from corun import checkpoint, pipeline
+from corun.errors import CheckpointError
+from trainers.lm.model import ModelConfig, TinyLM
+from trainers.lm.tasks import EOS, MAX_LEN, VOCAB_SIZE, Task, decode_responses, encode_prompts
+
+
+def build_policy(d_model: int, n_layers: int, n_heads: int) -> TinyLM:
+    """A fresh TinyLM; its init draws from the global torch RNG (seeded by the runtime)."""
+    config = ModelConfig(
+        vocab_size=VOCAB_SIZE, d_model=d_model, n_layers=n_layers, n_heads=n_heads,
+        max_len=MAX_LEN,
+    )  # fmt: skip
+    return TinyLM(config)
+
+
+def load_policy(state: dict[str, Any]) -> TinyLM:
+    """Rebuild the TinyLM of a trainer ``state_dict()`` (``model_config`` + ``model``)."""
+    # Built on the meta device: no init work, and no draws from the global RNG that
+    # would shift the caller's random stream.
+    with torch.device("meta"):
+        model = TinyLM(msgspec.convert(state["model_config"], ModelConfig))
+    model.to_empty(device="cpu")
+    model.load_state_dict(state["model"])
+    return model
+
+
+def policy_from(init_from: str) -> TinyLM:
+    """Warm start: the policy in a checkpoint, given its directory or its run's config."""
+    path = pipeline.checkpoint_for(init_from)
+    _, state = checkpoint.read(path)
+    try:
+        return load_policy(state)
+    except (KeyError, TypeError, ValueError, RuntimeError, msgspec.ValidationError) as exc:
+        raise CheckpointError(f"{path}: not a TinyLM policy checkpoint ({exc})") from None
+
+
+class HeldOutEval:
+    """Greedy decoding on a task's held-out prompts: exact match and mean reward.
+
+    Greedy decoding draws no random numbers, so evaluating never perturbs training.
+    """
+
+    def __init__(self, task: Task, size: int) -> None:
+        self.task = task
+        self.examples = task.eval_set(size)
+        self.prompt_ids = encode_prompts([prompt for prompt, _ in self.examples])
+
+    @torch.no_grad()
+    def __call__(self, model: TinyLM) -> dict[str, float]:
+        was_training = model.training
+        model.eval()
+        new_ids = model.generate(self.prompt_ids, self.task.max_answer_len + 1, stop_id=EOS)
+        model.train(was_training)
+        responses = decode_responses(new_ids)
+        exact = reward = 0.0
+        for (prompt, answer), response in zip(self.examples, responses, strict=True):
+            exact += response == answer
+            reward += self.task.reward(prompt, answer, response)
+        return {"eval/accuracy": exact / len(responses), "eval/reward": reward / len(responses)}
+
+
+def response_logprobs(
+    model: TinyLM, sequences: Tensor, prompt_len: int, temperature: float
+) -> tuple[Tensor, Tensor, Tensor]:
+    """Per-token log-probs and entropies of the response part of ``sequences``.
+
+    Logits are divided by ``temperature``, as when sampling, so the ratio to the
+    behaviour log-probs is 1 for unchanged weights. Returns (logp, entropy, hidden)
+    over the T response positions; ``hidden`` feeds a value head.
+    """
+    hidden = model.hidden(sequences[:, :-1])[:, prompt_len - 1 :]
+    logits = model.head(hidden) / max(temperature, 1e-6)
+    log_dist = F.log_softmax(logits, dim=-1)
+    targets = sequences[:, prompt_len:]
+    logp = log_dist.gather(-1, targets[..., None]).squeeze(-1)
+    entropy = -(log_dist.exp() * log_dist).sum(dim=-1)
+    return logp, entropy, hidden
