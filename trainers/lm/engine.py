@@ -1,0 +1,98 @@
+"""An in-process rollout engine for TinyLM: batched sampling with its own weights.
+
+The engine holds a copy of the policy that only ``update_weights`` replaces, so it
+never reads weights while the trainer is changing them (the same contract a vLLM or
+SGLang server has behind its weight-update endpoint). It samples ``n`` responses
+per prompt with temperature and top-p, records each token's behaviour log-prob, and
+stops at EOS or ``max_new_tokens``.
+"""
+
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from trainers.lm.model import TinyLM, decode
+from trainers.lm.tasks import EOS, PAD
+
+
+@dataclass
+class Rollouts:
+    """``n`` sampled responses per prompt, prompt-major (rows ``i*n .. i*n+n-1``)."""
+
+    prompt_ids: Tensor  # (N, P)
+    response_ids: Tensor  # (N, T), PAD after the EOS
+    response_mask: Tensor  # (N, T) bool: generated tokens, EOS included
+    logprobs: Tensor  # (N, T) behaviour log-probs, 0 on padding
+    truncated: Tensor  # (N,) bool: hit max_new_tokens without an EOS
+    version: int  # weight version that generated them
+
+    @property
+    def sequences(self) -> Tensor:
+        return torch.cat([self.prompt_ids, self.response_ids], dim=1)
+
+    def select(self, rows: Tensor) -> Rollouts:
+        return Rollouts(
+            self.prompt_ids[rows], self.response_ids[rows], self.response_mask[rows],
+            self.logprobs[rows], self.truncated[rows], self.version,
+        )  # fmt: skip
+
+    @staticmethod
+    def concat(parts: list[Rollouts]) -> Rollouts:
+        width = max(p.response_ids.shape[1] for p in parts)
+        return Rollouts(
+            torch.cat([p.prompt_ids for p in parts]),
+            torch.cat([_pad(p.response_ids, width, PAD) for p in parts]),
+            torch.cat([_pad(p.response_mask, width, False) for p in parts]),
+            torch.cat([_pad(p.logprobs, width, 0.0) for p in parts]),
+            torch.cat([p.truncated for p in parts]),
+            min(p.version for p in parts),
+        )
+
+
+def _pad(t: Tensor, width: int, value: Any) -> Tensor:
+    return torch.nn.functional.pad(t, (0, width - t.shape[1]), value=value)
+
+
+class LocalEngine:
+    """Samples from its own copy of the policy; ``update_weights`` is the only writer."""
+
+    def __init__(self, policy: TinyLM) -> None:
+        self.model = copy.deepcopy(policy).eval()
+        self.version = 0
+
+    def update_weights(self, state: dict[str, Tensor], version: int) -> None:
+        with torch.no_grad():
+            self.model.load_state_dict(state)
+        self.version = version
+
+    def generate(
+        self,
+        prompt_ids: Tensor,
+        n: int,
+        max_new_tokens: int,
+        temperature: float,
+        top_p: float = 1.0,
+        generator: torch.Generator | None = None,
+    ) -> Rollouts:
+        prompts = prompt_ids.repeat_interleave(n, dim=0)
+        out = decode(
+            self.model, prompts, max_new_tokens, stop_id=EOS, temperature=temperature,
+            top_p=top_p, generator=generator,
+        )  # fmt: skip
+        is_eos = out.tokens == EOS
+        # A token counts up to and including the first EOS.
+        eos_before = (is_eos.cumsum(dim=1) - is_eos.long()) > 0
+        mask = ~eos_before
+        return Rollouts(
+            prompt_ids=prompts,
+            response_ids=out.tokens.masked_fill(~mask, PAD),
+            response_mask=mask,
+            logprobs=out.logprobs.masked_fill(~mask, 0.0),
+            truncated=~is_eos.any(dim=1),
+            version=self.version,
+        )

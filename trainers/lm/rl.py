@@ -1,0 +1,253 @@
+"""What GRPO and PPO share on TinyLM: the policy (from scratch or warm-started from an
+SFT run), the rollout engine and its weight sync, sampling and scoring a batch,
+optimizer updates over disjoint mini-batches, evaluation and state.
+
+A subclass supplies only its algorithm: how a scored batch becomes training data
+(``make_batch``, e.g. group advantages) and the loss of one mini-batch (``loss``).
+"""
+
+from __future__ import annotations
+
+import copy
+import time
+from dataclasses import dataclass
+from typing import Annotated, Any, Literal, TypeVar
+
+import msgspec
+import torch
+from torch import Tensor
+
+from corun.config import TrainerConfig
+from corun.data import Dataset
+from corun.errors import CheckpointError
+from corun.pipeline import is_config
+from corun.trainer import Batch, SetupContext, Trainer
+from trainers.lm.engine import LocalEngine, Rollouts
+from trainers.lm.model import TinyLM
+from trainers.lm.policy import HeldOutEval, build_policy, policy_from, response_logprobs
+from trainers.lm.tasks import TASKS, TaskData, decode_responses, encode_prompts
+from trainers.pg import LossAggregation, aggregate, clipped_surrogate, kl_k3
+
+TaskName = Literal["sort", "addition", "reverse"]
+PositiveInt = Annotated[int, msgspec.Meta(ge=1)]
+NonNegativeFloat = Annotated[float, msgspec.Meta(ge=0)]
+UnitFloat = Annotated[float, msgspec.Meta(gt=0, le=1)]
+
+
+class RLConfig(TrainerConfig, frozen=True, forbid_unknown_fields=True, kw_only=True):
+    """Settings shared by the LM policy-gradient trainers."""
+
+    task: TaskName = "sort"
+    # Warm start: a checkpoint directory, or the .toml config of a run that corun
+    # trains first when its final checkpoint is missing. Empty: a fresh model.
+    init_from: str = ""
+    d_model: PositiveInt = 128  # model shape, for a fresh model only
+    n_layers: PositiveInt = 2
+    n_heads: PositiveInt = 4
+    lr: Annotated[float, msgspec.Meta(gt=0)] = 3e-4
+    samples_per_prompt: PositiveInt = 8
+    temperature: Annotated[float, msgspec.Meta(gt=0)] = 1.0
+    top_p: UnitFloat = 1.0
+    # Response length cap; 0 = the task's longest answer + EOS.
+    max_new_tokens: Annotated[int, msgspec.Meta(ge=0)] = 0
+    # What a response that hit the cap without EOS earns: "zero", or its usual reward.
+    truncated_reward: Literal["zero", "keep"] = "zero"
+    clip_low: NonNegativeFloat = 0.2
+    clip_high: NonNegativeFloat = 0.2  # DAPO clip-higher: e.g. 0.28
+    loss_agg: LossAggregation = "token-mean"
+    # KL to the frozen initial policy (k3 estimator); 0 skips the reference model.
+    kl_coef: NonNegativeFloat = 0.0
+    # Optimizer updates per rollout batch, each on a disjoint slice of it.
+    mini_batches: PositiveInt = 1
+    grad_clip: NonNegativeFloat = 1.0
+    eval_size: PositiveInt = 512
+
+
+C = TypeVar("C", bound=RLConfig)
+
+
+@dataclass
+class Scored:
+    """A sampled batch with rewards: what ``make_batch`` turns into training data."""
+
+    rollouts: Rollouts
+    prompts: list[str]  # one per row
+    rewards: Tensor  # (N,)
+
+
+class LMPolicyTrainer(Trainer[C]):
+    """Base of GRPO and PPO on TinyLM; subclasses implement ``make_batch`` and ``loss``."""
+
+    # ---- set-up
+    def prerequisites(self) -> list[str]:
+        return [self.config.init_from] if is_config(self.config.init_from) else []
+
+    def setup(self, ctx: SetupContext) -> None:
+        cfg = self.config
+        self.task = TASKS[cfg.task]
+        if cfg.init_from:
+            self.policy = policy_from(cfg.init_from)
+        else:
+            self.policy = build_policy(cfg.d_model, cfg.n_layers, cfg.n_heads)
+        # The KL anchor is the initial policy, frozen (on resume too: set-up rebuilds it).
+        self.reference = _frozen_copy(self.policy) if cfg.kl_coef > 0 else None
+        self.extra_modules = self.build_extra_modules()
+        params = [*self.policy.parameters(), *self.extra_parameters()]
+        self.optimizer = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=0.0)
+        self.engine = LocalEngine(self.policy)
+        self.held_out = HeldOutEval(self.task, cfg.eval_size)
+        self.max_new_tokens = cfg.max_new_tokens or self.task.max_answer_len + 1
+
+    def build_extra_modules(self) -> dict[str, torch.nn.Module]:
+        """Trainable modules beside the policy (PPO's value head); saved and restored."""
+        return {}
+
+    def extra_parameters(self) -> list[torch.nn.Parameter]:
+        return [p for module in self.extra_modules.values() for p in module.parameters()]
+
+    def dataset(self) -> Dataset:
+        batch_size = self.run_config.data.batch_size * self.prompt_rounds()
+        return TaskData(self.task, batch_size, self.run_config.run.seed)
+
+    def prompt_rounds(self) -> int:
+        """Prompt batches drawn per step (dynamic sampling draws extra to refill)."""
+        return 1
+
+    # ---- rollout
+    def rollout(self, examples: list[tuple[str, str]], step: int) -> Batch:
+        started = time.monotonic()
+        data, metrics = self.make_batch(examples)
+        metrics["perf/rollout_total_time_s"] = time.monotonic() - started
+        return Batch(data, metrics=metrics)
+
+    def sample_and_score(self, examples: list[tuple[str, str]]) -> tuple[Scored, dict[str, float]]:
+        """Sample ``samples_per_prompt`` responses per prompt and score them."""
+        cfg, n = self.config, self.config.samples_per_prompt
+        started = time.monotonic()
+        rollouts = self.engine.generate(
+            encode_prompts([p for p, _ in examples]), n, self.max_new_tokens, cfg.temperature,
+            cfg.top_p,
+        )  # fmt: skip
+        generated = time.monotonic()
+        responses = decode_responses(rollouts.response_ids)
+        rewards = torch.tensor([
+            0.0 if cut and cfg.truncated_reward == "zero" else self.task.reward(p, a, response)
+            for (p, a), response, cut in zip(
+                (ex for ex in examples for _ in range(n)), responses, rollouts.truncated.tolist(),
+                strict=True,
+            )
+        ])  # fmt: skip
+        prompts = [p for p, _ in examples for _ in range(n)]
+        lengths = rollouts.response_mask.sum(dim=1).float()
+        metrics = {
+            "rollout/reward_mean": float(rewards.mean()),
+            "rollout/reward_std": float(rewards.std()) if rewards.numel() > 1 else 0.0,
+            "rollout/response_len_mean": float(lengths.mean()),
+            "rollout/truncated_ratio": float(rollouts.truncated.float().mean()),
+            "perf/generate_time_s": generated - started,
+            "perf/reward_time_s": time.monotonic() - generated,
+        }
+        return Scored(rollouts, prompts, rewards), metrics
+
+    def make_batch(self, examples: list[tuple[str, str]]) -> tuple[Any, dict[str, float]]:
+        raise NotImplementedError
+
+    # ---- train
+    def train_step(self, batch: Batch) -> dict[str, float]:
+        """``mini_batches`` optimizer updates over disjoint row slices of the batch."""
+        data = self.prepare(batch.data)
+        rows = torch.arange(data.rollouts.prompt_ids.shape[0])
+        totals: dict[str, float] = {}
+        self.policy.train()
+        for part in rows.tensor_split(min(self.config.mini_batches, rows.numel())):
+            self.optimizer.zero_grad(set_to_none=True)
+            loss, metrics = self.loss(data, part)
+            loss.backward()
+            params = [*self.policy.parameters(), *self.extra_parameters()]
+            grad_norm = torch.nn.utils.clip_grad_norm_(
+                params, self.config.grad_clip if self.config.grad_clip > 0 else float("inf")
+            )
+            self.optimizer.step()
+            metrics |= {"train/loss": float(loss.detach()), "train/grad_norm": float(grad_norm)}
+            for key, value in metrics.items():
+                totals[key] = totals.get(key, 0.0) + value
+        parts = min(self.config.mini_batches, rows.numel())
+        return {key: value / parts for key, value in totals.items()}
+
+    def prepare(self, data: Any) -> Any:
+        """Per-batch work before the updates (PPO: old values and GAE)."""
+        return data
+
+    def loss(self, data: Any, rows: Tensor) -> tuple[Tensor, dict[str, float]]:
+        raise NotImplementedError
+
+    def policy_loss(
+        self, rollouts: Rollouts, rows: Tensor, advantages: Tensor
+    ) -> tuple[Tensor, dict[str, float], Tensor]:
+        """Clipped surrogate (+ KL) over ``rows``; ``advantages`` is (rows, 1) or (rows, T)."""
+        cfg = self.config
+        part = rollouts.select(rows)
+        prompt_len = part.prompt_ids.shape[1]
+        logp, entropy, hidden = response_logprobs(
+            self.policy, part.sequences, prompt_len, cfg.temperature
+        )
+        mask = part.response_mask
+        loss_tok, clipped = clipped_surrogate(
+            logp, part.logprobs, advantages, cfg.clip_low, cfg.clip_high
+        )
+        metrics = {
+            "train/clip_ratio": _masked_mean(clipped.float(), mask),
+            "train/entropy": _masked_mean(entropy.detach(), mask),
+        }
+        if self.reference is not None:
+            with torch.no_grad():
+                ref_logp, _, _ = response_logprobs(
+                    self.reference, part.sequences, prompt_len, cfg.temperature
+                )
+            kl = kl_k3(logp, ref_logp)
+            loss_tok = loss_tok + cfg.kl_coef * kl
+            metrics["train/kl"] = _masked_mean(kl.detach(), mask)
+        else:
+            metrics["train/kl"] = _masked_mean(kl_k3(logp.detach(), part.logprobs), mask)
+        return aggregate(loss_tok, mask, cfg.loss_agg), metrics, hidden
+
+    # ---- sync, eval, state
+    def sync_weights(self, version: int) -> None:
+        self.engine.update_weights(self.policy.state_dict(), version)
+
+    def evaluate(self) -> dict[str, float]:
+        return self.held_out(self.policy)
+
+    def wandb_extra(self) -> dict[str, Any]:
+        return {"model/num_params": self.policy.num_params()}
+
+    def state_dict(self) -> dict[str, Any]:
+        return {
+            "model": self.policy.state_dict(),
+            "optimizer": self.optimizer.state_dict(),
+            "model_config": msgspec.structs.asdict(self.policy.config),
+            "task": self.config.task,
+            "extra": {name: m.state_dict() for name, m in self.extra_modules.items()},
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        if state.get("model_config") != msgspec.structs.asdict(self.policy.config):
+            raise CheckpointError(
+                f"checkpoint model {state.get('model_config')} does not match this run's policy"
+            )
+        self.policy.load_state_dict(state["model"])
+        for name, module in self.extra_modules.items():
+            module.load_state_dict(state["extra"][name])
+        self.optimizer.load_state_dict(state["optimizer"])
+
+
+def _masked_mean(values: Tensor, mask: Tensor) -> float:
+    mask = mask.to(values.dtype)
+    return float((values * mask).sum() / mask.sum().clamp(min=1))
+
+
+def _frozen_copy(model: TinyLM) -> TinyLM:
+    frozen = copy.deepcopy(model).eval()
+    for p in frozen.parameters():
+        p.requires_grad_(False)
+    return frozen

@@ -1,0 +1,84 @@
+"""PPO on TinyLM: a value head on the policy's hidden states, GAE, and a clipped
+value loss. Sampling, the clipped policy surrogate, mini-batch updates, sync and
+evaluation are the shared LM policy-gradient trainer's.
+
+The reward arrives on the last response token; GAE spreads it back with
+``gamma``/``lam`` against the value head's estimates, computed once per batch with
+the weights as they were before this batch's updates ("old values").
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Annotated
+
+import msgspec
+import torch
+from torch import Tensor, nn
+
+from trainers.lm.engine import Rollouts
+from trainers.lm.policy import response_logprobs
+from trainers.lm.rl import LMPolicyTrainer, NonNegativeFloat, RLConfig, Scored
+from trainers.pg import aggregate, clipped_value_loss, gae
+
+Unit = Annotated[float, msgspec.Meta(ge=0, le=1)]
+
+
+class PPOConfig(RLConfig, frozen=True, forbid_unknown_fields=True, kw_only=True):
+    samples_per_prompt: Annotated[int, msgspec.Meta(ge=1)] = 4
+    gamma: Unit = 1.0
+    lam: Unit = 0.95
+    value_clip: NonNegativeFloat = 0.2
+    vf_coef: NonNegativeFloat = 0.5
+    # Normalise advantages over the batch's tokens (zero mean, unit std).
+    whiten_advantages: bool = True
+
+
+@dataclass
+class PPOBatch:
+    rollouts: Rollouts
+    old_values: Tensor  # (N, T)
+    advantages: Tensor  # (N, T)
+    returns: Tensor  # (N, T)
+
+
+class PPOTrainer(LMPolicyTrainer[PPOConfig]):
+    Config = PPOConfig
+
+    def build_extra_modules(self) -> dict[str, nn.Module]:
+        self.value_head = nn.Linear(self.policy.config.d_model, 1)
+        return {"value_head": self.value_head}
+
+    def make_batch(self, examples: list[tuple[str, str]]) -> tuple[Scored, dict[str, float]]:
+        return self.sample_and_score(examples)
+
+    @torch.no_grad()
+    def prepare(self, scored: Scored) -> PPOBatch:
+        rollouts, cfg = scored.rollouts, self.config
+        _, _, hidden = response_logprobs(
+            self.policy, rollouts.sequences, rollouts.prompt_ids.shape[1], cfg.temperature
+        )
+        mask = rollouts.response_mask
+        old_values = self.value_head(hidden).squeeze(-1) * mask
+        last = mask.sum(dim=1) - 1  # index of each response's final token
+        token_rewards = torch.zeros_like(old_values)
+        token_rewards[torch.arange(len(last)), last] = scored.rewards
+        advantages, returns = gae(token_rewards, old_values, mask, cfg.gamma, cfg.lam)
+        if cfg.whiten_advantages:
+            real = advantages[mask]
+            advantages = ((advantages - real.mean()) / (real.std() + 1e-6)) * mask
+        return PPOBatch(rollouts, old_values, advantages, returns)
+
+    def loss(self, data: PPOBatch, rows: Tensor) -> tuple[Tensor, dict[str, float]]:
+        policy_loss, metrics, hidden = self.policy_loss(data.rollouts, rows, data.advantages[rows])
+        values = self.value_head(hidden).squeeze(-1)
+        value_loss = aggregate(
+            clipped_value_loss(
+                values, data.old_values[rows], data.returns[rows], self.config.value_clip
+            ),
+            data.rollouts.response_mask[rows],
+            "token-mean",
+        )
+        metrics["train/value_loss"] = float(value_loss.detach())
+        metrics["train/policy_loss"] = float(policy_loss.detach())
+        return policy_loss + self.config.vf_coef * value_loss, metrics
