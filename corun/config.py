@@ -179,9 +179,15 @@ def config_from_dict(
 
 
 def _override_for(message: str, overrides: list[str] | tuple[str, ...]) -> str:
-    for override in overrides:
-        key = override.split("=", 1)[0]
-        if f"`$.{key}`" in message or f"`$.{key.rsplit('.', 1)[0]}`" in message:
+    """Name the override that caused a validation error, when one clearly did."""
+    keys = [(override, override.split("=", 1)[0].strip()) for override in overrides]
+    for override, key in keys:
+        if f"`$.{key}`" in message:
+            return f" (from override {override!r})"
+    for override, key in keys:
+        table, _, leaf = key.rpartition(".")
+        # An error about a table (unknown field, a cross-field check) names the key.
+        if table and f"`$.{table}`" in message and f"`{leaf}`" in message:
             return f" (from override {override!r})"
     return ""
 

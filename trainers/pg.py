@@ -78,7 +78,8 @@ def kl_k3(logp: Tensor, ref_logp: Tensor) -> Tensor:
     """Per-token KL(policy || reference) estimate ``exp(d) - d - 1`` with ``d = ref - logp``:
     unbiased and never negative."""
     delta = ref_logp - logp
-    return torch.exp(delta) - delta - 1.0
+    # expm1 keeps the small differences of near-on-policy training exact in float32.
+    return (torch.expm1(delta) - delta).clamp(min=0.0)
 
 
 def gae(

@@ -133,8 +133,8 @@ def decode(
     """Batched decoding of equal-length prompts: greedy, or sampled with top-p.
 
     ``temperature`` 0 is greedy and draws no random numbers; above 0 samples from
-    ``generator`` (the global torch RNG if None), and the log-probs are those of the
-    temperature-scaled, top-p-truncated distribution that was sampled. A row that
+    ``generator`` (the global torch RNG if None) within the top-p nucleus; the
+    log-probs are under the full temperature-scaled distribution. A row that
     has emitted ``stop_id`` keeps emitting it, and decoding ends early once every row
     has stopped. Between decode steps :func:`cancel_point` lets a cancelled run stop.
     """
@@ -153,8 +153,12 @@ def decode(
             cancel_point()
         logits = model(ids)[:, -1]
         if temperature > 0:
-            log_dist = top_p_log_probs(logits / temperature, top_p)
-            token = torch.multinomial(log_dist.exp(), 1, generator=generator).squeeze(1)
+            # Sample from the nucleus, but record log-probs under the full tempered
+            # distribution: that is what the trainer recomputes, so the importance
+            # ratio is exactly 1 for unchanged weights.
+            log_dist = torch.log_softmax(logits / temperature, dim=-1)
+            nucleus = top_p_log_probs(logits / temperature, top_p)
+            token = torch.multinomial(nucleus.exp(), 1, generator=generator).squeeze(1)
         else:
             log_dist = torch.log_softmax(logits, dim=-1)
             token = logits.argmax(dim=-1)
