@@ -68,6 +68,14 @@ class LoopConfig(Section, frozen=True, forbid_unknown_fields=True, kw_only=True)
                 f"{self.sync_interval - 1}, so no rollout could ever be admitted"
             )
 
+        if self.save_interval and self.save_interval % self.sync_interval:
+            # A checkpoint between two publishes cannot hold the weights the engine is
+            # sampling with; resuming from it would republish newer ones.
+            raise ValueError(
+                f"save_interval = {self.save_interval} is not a multiple of sync_interval = "
+                f"{self.sync_interval}: periodic checkpoints must fall on weight publishes"
+            )
+
     @property
     def staleness_bound(self) -> int:
         if self.max_staleness is not None:
