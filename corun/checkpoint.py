@@ -60,6 +60,21 @@ def capture_rng() -> RngState:
     )
 
 
+RawRng = tuple[Any, Any, torch.Tensor]
+
+
+def capture_rng_raw() -> RawRng:
+    """The global RNG states as the libraries give them: cheap enough to take every step."""
+    return random.getstate(), np.random.get_state(), torch.get_rng_state()
+
+
+def restore_rng_raw(raw: RawRng) -> None:
+    python, numpy, torch_state = raw
+    random.setstate(python)
+    np.random.set_state(numpy)
+    torch.set_rng_state(torch_state)
+
+
 def restore_rng(state: RngState) -> None:
     version, internal, gauss = state.python
     random.setstate((version, tuple(internal), gauss))

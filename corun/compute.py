@@ -1,22 +1,30 @@
-"""Compute lanes: blocking torch work runs off the event loop.
+"""Compute lanes: blocking torch work runs off the event loop, one OS thread per lane.
 
-A lane is a capacity-1 limiter over anyio's worker threads, so calls on one lane
-never overlap. Cancellation never abandons a running call (the thread may hold
-tensors that the next call needs): the awaiting task waits for the call to return.
-To keep Ctrl-C fast, blocking code calls :func:`cancel_point` between micro-batches
-or decode steps; inside a lane call it raises the host task's cancellation.
+A lane owns one dedicated thread and runs its calls there in order. One thread, not
+a pool: torch's OpenMP runtime keeps a thread team per OS thread that has run a
+parallel op, and two live teams on a small machine make every op wait on futexes
+(measured: steps ~50% slower on 2 cores once a pool handed a lane's calls to a
+second thread).
+
+Cancellation never abandons a running call (the thread may hold tensors that the
+next call needs): the awaiting task waits for the call to return. To keep Ctrl-C
+fast, blocking code calls :func:`cancel_point` between micro-batches or decode
+steps; once the awaiting task is cancelled, that raises inside the thread. A call
+that completes anyway returns its result, and the cancellation is delivered at the
+task's next await — so an applied optimizer step is never lost from the books.
 """
 
 from __future__ import annotations
 
 import inspect
+import queue
 import threading
 from collections.abc import Awaitable, Callable
-from typing import Any, Literal, TypeVar
+from dataclasses import dataclass, field
+from typing import Any, Generic, Literal, TypeVar
 
 import anyio
-import anyio.from_thread
-import anyio.to_thread
+import sniffio
 
 T = TypeVar("T")
 ComputeMode = Literal["thread", "inline"]
@@ -24,37 +32,114 @@ ComputeMode = Literal["thread", "inline"]
 _lane_local = threading.local()
 
 
+class LaneCancelled(BaseException):
+    """Raised by :func:`cancel_point` in a lane call whose awaiting task was cancelled.
+
+    A BaseException, like the cancellations of asyncio and trio, so that trainer
+    code catching ``Exception`` does not swallow it.
+    """
+
+
 def cancel_point() -> None:
-    """Raise the awaiting task's cancellation here if it has been cancelled.
+    """Stop the current lane call here if its awaiting task has been cancelled.
 
     A no-op outside a threaded lane call (inline mode, plain scripts, tests that
     call trainer methods directly), so trainer code can call it unconditionally.
+    Call it only where stopping leaves the trainer as it was before the call's
+    effects (before the optimizer step).
     """
-    if getattr(_lane_local, "active", False):
-        anyio.from_thread.check_cancelled()
+    call = getattr(_lane_local, "call", None)
+    if call is not None and call.cancel_requested.is_set():
+        raise LaneCancelled
 
 
-def _call_in_lane(fn: Callable[..., T], args: tuple[Any, ...]) -> T:
-    _lane_local.active = True
-    try:
-        return fn(*args)
-    finally:
-        _lane_local.active = False
+@dataclass
+class _Call(Generic[T]):
+    fn: Callable[..., T]
+    args: tuple[Any, ...]
+    wake: Callable[[], None]
+    cancel_requested: threading.Event = field(default_factory=threading.Event)
+    result: Any = None
+    error: BaseException | None = None
+
+    def run(self) -> None:
+        _lane_local.call = self
+        try:
+            self.result = self.fn(*self.args)
+        except BaseException as exc:  # handed to the awaiting task, which re-raises it
+            self.error = exc
+        finally:
+            _lane_local.call = None
+            try:
+                self.wake()
+            except RuntimeError:  # the event loop is gone (a hard exit): nobody waits
+                pass
+
+
+def _waker(done: anyio.Event) -> Callable[[], None]:
+    """A thread-safe, non-blocking ``done.set()`` for the running event loop."""
+    if sniffio.current_async_library() == "trio":
+        import trio
+
+        token = trio.lowlevel.current_trio_token()
+        return lambda: token.run_sync_soon(done.set)
+    import asyncio
+
+    loop = asyncio.get_running_loop()
+
+    def wake() -> None:
+        loop.call_soon_threadsafe(done.set)
+
+    return wake
 
 
 class Lane:
-    """One stream of blocking calls, run in order on a worker thread (or inline)."""
+    """One stream of blocking calls, run in order on the lane's own thread (or inline)."""
 
     def __init__(self, name: str, mode: ComputeMode = "thread") -> None:
         self.name = name
         self.mode = mode
-        self._limiter = anyio.CapacityLimiter(1)
+        self._calls: queue.SimpleQueue[_Call[Any] | None] = queue.SimpleQueue()
+        self._thread: threading.Thread | None = None
 
     async def run(self, fn: Callable[..., T], *args: Any) -> T:
         if self.mode == "inline":
             # Lowest overhead; the event loop is blocked for the call's duration.
             return fn(*args)
-        return await anyio.to_thread.run_sync(_call_in_lane, fn, args, limiter=self._limiter)
+        done = anyio.Event()
+        call: _Call[T] = _Call(fn, args, _waker(done))
+        self._start()
+        self._calls.put(call)
+        try:
+            await done.wait()
+        except anyio.get_cancelled_exc_class():
+            call.cancel_requested.set()
+            with anyio.CancelScope(shield=True):
+                await done.wait()
+            if call.error is None:
+                return call.result  # completed: the cancellation comes at the next await
+            if isinstance(call.error, LaneCancelled):
+                raise
+        if call.error is not None:
+            raise call.error
+        return call.result
+
+    def _start(self) -> None:
+        if self._thread is None:
+            self._thread = threading.Thread(
+                target=self._serve, name=f"corun-lane-{self.name}", daemon=True
+            )
+            self._thread.start()
+
+    def _serve(self) -> None:
+        while (call := self._calls.get()) is not None:
+            call.run()
+
+    def close(self) -> None:
+        """End the lane's thread after the calls already queued (non-blocking)."""
+        if self._thread is not None:
+            self._calls.put(None)
+            self._thread = None
 
 
 async def call_hook(lane: Lane, hook: Callable[..., Any], *args: Any) -> Any:

@@ -86,7 +86,7 @@ class _Session:
         self.rollout_lane = self.train_lane
         self.reporter: Reporter | None = None
         self.last_saved = self.clock.step if restored else -1
-        self.boundary_rng = checkpoint.capture_rng()
+        self.boundary_rng = checkpoint.capture_rng_raw()
         self.pending_writes = 0
         self.writes_done = anyio.Event()
         self.write_error: BaseException | None = None
@@ -111,6 +111,7 @@ class _Session:
             self.teardown.step = self.clock.step
             self.events.emit("teardown:stop", self.clock.step, status="ok")
             teardown_error = await self.teardown.run()
+            self.train_lane.close()
             self.trace.close()
             self._end(self.outcome)
         if failure is not None:
@@ -174,7 +175,7 @@ class _Session:
                 f"checkpoint step-{state.step} does not fit this trainer: {exc}"
             ) from None
         checkpoint.restore_rng(state.rng)
-        self.boundary_rng = state.rng
+        self.boundary_rng = checkpoint.capture_rng_raw()
         if state.config_digest != self.config.digest():
             self.events.emit("config_changed", state.step, was=state.config_digest)
         self.events.emit("restore", state.step, version=state.version, cursor=state.data_cursor)
@@ -243,7 +244,7 @@ class _Session:
             await self._evaluate("eval", self.trainer.evaluate_periodic, step)
         if (loop.save_interval and step % loop.save_interval == 0) or step == self.config.run.steps:
             await self._save()
-        self.boundary_rng = checkpoint.capture_rng()
+        self.boundary_rng = checkpoint.capture_rng_raw()
         clock.completed()
 
     async def _sync(self, forced: bool = False) -> None:
@@ -324,12 +325,12 @@ class _Session:
         ):
             # Rollouts after the last completed step consumed RNG: save the state
             # captured at that step's boundary, so resuming replays them exactly.
-            rng_now = checkpoint.capture_rng()
-            checkpoint.restore_rng(self.boundary_rng)
+            rng_now = checkpoint.capture_rng_raw()
+            checkpoint.restore_rng_raw(self.boundary_rng)
             try:
                 await self._save()
             finally:
-                checkpoint.restore_rng(rng_now)
+                checkpoint.restore_rng_raw(rng_now)
 
     # ------------------------------------------------------------------ end
 

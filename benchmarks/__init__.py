@@ -1,0 +1,1 @@
+"""Throughput and overhead measurements; they print figures and never assert."""
