@@ -58,7 +58,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import random
 import statistics
 import subprocess
 import sys
@@ -74,7 +73,6 @@ os.environ["WANDB_MODE"] = "disabled"
 
 import anyio
 import msgspec
-import numpy as np
 import torch
 
 import corun
@@ -151,9 +149,7 @@ def run_intervals(
 
 def plain_intervals(config: corun.Config) -> list[float]:
     """A hand-written loop (seed, build, rollout → train_step); its step-to-step intervals."""
-    random.seed(config.run.seed)
-    np.random.seed(config.run.seed)
-    torch.manual_seed(config.run.seed)
+    corun.seed_everything(config.run.seed)
     trainer = SFTTrainer(config)
     trainer.setup(corun.SetupContext(config))
     data = trainer.dataset()

@@ -9,7 +9,7 @@ from corun.compute import Lane, cancel_point
 from corun.config import Config, TrainerConfig, config_from_dict, load_config
 from corun.data import Dataset, ShuffledBatches, read_jsonl
 from corun.errors import CheckpointError, ConfigError, DataError, UsageError
-from corun.loop import run
+from corun.loop import run, seed_everything
 from corun.procs import ChildProcess
 from corun.teardown import RunControl
 from corun.trainer import Batch, Metrics, Outcome, SetupContext, Trainer, resolve_trainer
@@ -39,4 +39,5 @@ __all__ = [
     "read_jsonl",
     "resolve_trainer",
     "run",
+    "seed_everything",
 ]

@@ -146,7 +146,7 @@ class _Session:
             await self._prerequisite(Path(prerequisite))
         self.reporter = Reporter(config, self.run_dir, self.clock.step if self.restored else 0)
         self.teardown.push("logging", self._close_logging)
-        _seed_everything(config.run.seed)
+        seed_everything(config.run.seed)
         ctx = SetupContext(config, register=self.teardown.push)
         with self.trace.span("setup", "trainer"):
             await call_hook(self.train_lane, trainer.setup, ctx)
@@ -358,7 +358,8 @@ def _snapshot_of(trainer: Trainer[Any]) -> Any:
     return checkpoint.snapshot(trainer.state_dict())
 
 
-def _seed_everything(seed: int) -> None:
+def seed_everything(seed: int) -> None:
+    """Seed python's, numpy's and torch's global RNGs, as ``run`` does before set-up."""
     import random
 
     random.seed(seed)

@@ -6,12 +6,10 @@ from __future__ import annotations
 
 import json
 import math
-import random
 from pathlib import Path
 from typing import Any
 
 import anyio
-import numpy as np
 import pytest
 import torch
 
@@ -70,9 +68,7 @@ def _events(run_dir: Path, *names: str) -> list[dict[str, Any]]:
 
 def handwritten_loop(config: corun.Config) -> tuple[LMPolicyTrainer[Any], list[dict[str, Any]]]:
     """What a person writes without corun: seed, build, then rollout → train → sync."""
-    random.seed(config.run.seed)
-    np.random.seed(config.run.seed % 2**32)
-    torch.manual_seed(config.run.seed)
+    corun.seed_everything(config.run.seed)
     trainer = TRAINERS[config.trainer.kind](config)
     trainer.setup(corun.SetupContext(config))
     data = trainer.dataset()

@@ -3,14 +3,11 @@ trio, resume parity, and a short learning test."""
 
 from __future__ import annotations
 
-import random
 from pathlib import Path
 from typing import Any
 
 import anyio
-import numpy as np
 import pytest
-import torch
 
 import corun
 from corun.events import read_jsonl
@@ -35,9 +32,7 @@ def _config(run_dir: Path, steps: int, **loop: Any) -> corun.Config:
 
 def handwritten_loop(config: corun.Config) -> tuple[SFTTrainer, list[float]]:
     """What a person writes without corun: seed, build, then rollout → train → eval."""
-    random.seed(config.run.seed)
-    np.random.seed(config.run.seed)
-    torch.manual_seed(config.run.seed)
+    corun.seed_everything(config.run.seed)
     trainer = SFTTrainer(config)
     trainer.setup(corun.SetupContext(config))
     data = trainer.dataset()
