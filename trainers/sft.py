@@ -16,9 +16,14 @@ import torch.nn.functional as F
 from corun.compute import cancel_point
 from corun.config import TrainerConfig
 from corun.data import Dataset, ShuffledBatches, read_jsonl
-from corun.errors import CheckpointError
 from corun.trainer import Batch, SetupContext, Trainer
-from trainers.lm.policy import HeldOutEval, build_policy, load_policy
+from trainers.lm.policy import (
+    HeldOutEval,
+    build_policy,
+    load_policy,
+    load_policy_state,
+    policy_state,
+)
 from trainers.lm.tasks import (
     CHARS,
     MAX_LEN,
@@ -137,24 +142,10 @@ class SFTTrainer(Trainer[SFTConfig]):
         return {"model/num_params": self.model.num_params()}
 
     def state_dict(self) -> dict[str, Any]:
-        """Live tensors (not copies): serialise before the next train_step mutates them."""
-        return {
-            "model": self.model.state_dict(),
-            "optimizer": self.optimizer.state_dict(),
-            "model_config": msgspec.structs.asdict(self.model.config),
-            "task": self.config.task,
-        }
+        return policy_state(self.model, self.optimizer, self.config.task)
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        saved = state["model_config"], state["task"]
-        ours = msgspec.structs.asdict(self.model.config), self.config.task
-        if saved != ours:
-            raise CheckpointError(
-                f"checkpoint is for model {saved[0]} on task {saved[1]!r}, "
-                f"this run builds {ours[0]} on task {ours[1]!r}"
-            )
-        self.model.load_state_dict(state["model"])
-        self.optimizer.load_state_dict(state["optimizer"])
+        load_policy_state(state, self.model, self.optimizer, self.config.task)
 
 
 def masked_loss_sum(logits: torch.Tensor, tokens: TokenBatch) -> torch.Tensor:

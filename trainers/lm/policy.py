@@ -46,6 +46,35 @@ def policy_from(init_from: str) -> TinyLM:
         raise CheckpointError(f"{path}: not a TinyLM policy checkpoint ({exc})") from None
 
 
+def policy_state(
+    model: TinyLM, optimizer: torch.optim.Optimizer, task: str, **extra: Any
+) -> dict[str, Any]:
+    """A trainer's resumable state around a TinyLM: live tensors, so the runtime
+    snapshots them before the next step changes them."""
+    return {
+        "model": model.state_dict(),
+        "optimizer": optimizer.state_dict(),
+        "model_config": msgspec.structs.asdict(model.config),
+        "task": task,
+        **extra,
+    }
+
+
+def load_policy_state(
+    state: dict[str, Any], model: TinyLM, optimizer: torch.optim.Optimizer, task: str
+) -> None:
+    """Restore :func:`policy_state`; a checkpoint of another shape or task is refused."""
+    saved = state.get("model_config"), state.get("task")
+    ours = msgspec.structs.asdict(model.config), task
+    if saved != ours:
+        raise CheckpointError(
+            f"checkpoint is for model {saved[0]} on task {saved[1]!r}, "
+            f"this run builds {ours[0]} on task {ours[1]!r}"
+        )
+    model.load_state_dict(state["model"])
+    optimizer.load_state_dict(state["optimizer"])
+
+
 class HeldOutEval:
     """Greedy decoding on a task's held-out prompts: exact match and mean reward.
 

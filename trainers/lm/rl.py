@@ -19,12 +19,18 @@ from torch import Tensor
 
 from corun.config import TrainerConfig
 from corun.data import Dataset
-from corun.errors import CheckpointError
 from corun.pipeline import is_config
 from corun.trainer import Batch, SetupContext, Trainer
 from trainers.lm.engine import LocalEngine, Rollouts
 from trainers.lm.model import TinyLM
-from trainers.lm.policy import HeldOutEval, build_policy, policy_from, response_logprobs
+from trainers.lm.policy import (
+    HeldOutEval,
+    build_policy,
+    load_policy_state,
+    policy_from,
+    policy_state,
+    response_logprobs,
+)
 from trainers.lm.tasks import TASKS, TaskData, decode_responses, encode_prompts
 from trainers.pg import LossAggregation, aggregate, clipped_surrogate, kl_k3
 
@@ -222,23 +228,13 @@ class LMPolicyTrainer(Trainer[C]):
         return {"model/num_params": self.policy.num_params()}
 
     def state_dict(self) -> dict[str, Any]:
-        return {
-            "model": self.policy.state_dict(),
-            "optimizer": self.optimizer.state_dict(),
-            "model_config": msgspec.structs.asdict(self.policy.config),
-            "task": self.config.task,
-            "extra": {name: m.state_dict() for name, m in self.extra_modules.items()},
-        }
+        extra = {name: module.state_dict() for name, module in self.extra_modules.items()}
+        return policy_state(self.policy, self.optimizer, self.config.task, extra=extra)
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        if state.get("model_config") != msgspec.structs.asdict(self.policy.config):
-            raise CheckpointError(
-                f"checkpoint model {state.get('model_config')} does not match this run's policy"
-            )
-        self.policy.load_state_dict(state["model"])
+        load_policy_state(state, self.policy, self.optimizer, self.config.task)
         for name, module in self.extra_modules.items():
             module.load_state_dict(state["extra"][name])
-        self.optimizer.load_state_dict(state["optimizer"])
 
 
 def _masked_mean(values: Tensor, mask: Tensor) -> float:
