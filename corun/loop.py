@@ -16,11 +16,12 @@ generate); more concurrency is the same code with a wider admission window.
 
 from __future__ import annotations
 
+import inspect
 import secrets
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import anyio
 import anyio.to_thread
@@ -37,6 +38,8 @@ from corun.reporting import Reporter
 from corun.teardown import RunControl, Teardown
 from corun.trainer import Batch, Outcome, SetupContext, Trainer, overrides, resolve_trainer
 
+T = TypeVar("T")
+
 
 async def run(
     trainer: Trainer[Any], config: Config, *, control: RunControl | None = None
@@ -48,7 +51,7 @@ async def run(
     """
     control = control or RunControl()
     resume_from = checkpoint.resume_point(config)
-    restored = await anyio.to_thread.run_sync(checkpoint.read, resume_from) if resume_from else None
+    restored = await _blocking(config, checkpoint.read, resume_from) if resume_from else None
     config.run_dir.mkdir(parents=True, exist_ok=True)
     checkpoint.remove_partial_writes(config.run_dir)
     session = _Session(trainer, config, control, restored)
@@ -80,7 +83,12 @@ class _Session:
         )
         self.events = EventLog(self.run_dir)
         self.trace = Trace(self.run_dir)
-        self.teardown = Teardown(self.events, control, config.run.teardown_timeout_s)
+        self.teardown = Teardown(
+            self.events,
+            control,
+            config.run.teardown_timeout_s,
+            inline=config.loop.compute == "inline",
+        )
         self.train_lane = Lane("train", config.loop.compute)
         # One lane at concurrency 1: rollout and training share the thread, in order.
         self.rollout_lane = self.train_lane
@@ -209,18 +217,19 @@ class _Session:
             for index in range(self.clock.cursor, self.config.run.steps):
                 await self.clock.admit(index)
                 started = time.monotonic()
+                version = self.clock.version_published
                 with self.trace.span("rollout", "producer", index=index):
-                    batch = await call_hook(
-                        self.rollout_lane, self._rollout_at, index, self.clock.version_published
-                    )
+                    if inspect.iscoroutinefunction(self.trainer.rollout):  # an engine behind I/O
+                        result = await self.trainer.rollout(self.dataset.batch(index), index)
+                    else:
+                        result = await self.rollout_lane.run(self._rollout_at, index)
+                batch = result if isinstance(result, Batch) else Batch(result)
+                batch.version, batch.step = version, index
                 batch.metrics = {**batch.metrics, "perf/rollout_time_s": time.monotonic() - started}
                 await send.send(batch)
 
-    def _rollout_at(self, index: int, version: int) -> Batch:
-        result = self.trainer.rollout(self.dataset.batch(index), index)
-        batch = result if isinstance(result, Batch) else Batch(result)
-        batch.version, batch.step = version, index
-        return batch
+    def _rollout_at(self, index: int) -> Any:
+        return self.trainer.rollout(self.dataset.batch(index), index)
 
     async def _train_one(self, batch: Batch) -> None:
         clock, loop = self.clock, self.config.loop
@@ -297,11 +306,11 @@ class _Session:
     async def _write(self, tensors: Any, state: checkpoint.TrainerState) -> None:
         try:
             with self.trace.span("write", "checkpoint", step=state.step):
-                path = await anyio.to_thread.run_sync(
-                    checkpoint.write, self.run_dir, state.step, tensors, state
+                path = await _blocking(
+                    self.config, checkpoint.write, self.run_dir, state.step, tensors, state
                 )
-                await anyio.to_thread.run_sync(
-                    checkpoint.prune, self.run_dir, self.config.checkpoint.keep
+                await _blocking(
+                    self.config, checkpoint.prune, self.run_dir, self.config.checkpoint.keep
                 )
             self.events.emit("checkpoint_written", state.step, path=str(path))
         except Exception as exc:  # a failed save fails the run: stop it, surface the error
@@ -356,6 +365,14 @@ class _Session:
 
 def _snapshot_of(trainer: Trainer[Any]) -> Any:
     return checkpoint.snapshot(trainer.state_dict())
+
+
+async def _blocking(config: Config, fn: Callable[..., T], *args: Any) -> T:
+    """File I/O off the event loop (a worker thread), or inline in inline compute mode,
+    which uses no threads at all (and so also runs under a virtual clock)."""
+    if config.loop.compute == "inline":
+        return fn(*args)
+    return await anyio.to_thread.run_sync(fn, *args)
 
 
 def seed_everything(seed: int) -> None:

@@ -77,7 +77,10 @@ class TeardownStep:
 class Teardown:
     """An ordered stack of teardown steps, run in reverse, each shielded and bounded."""
 
-    def __init__(self, events: EventLog, control: RunControl, timeout_s: float) -> None:
+    def __init__(
+        self, events: EventLog, control: RunControl, timeout_s: float, inline: bool = False
+    ) -> None:
+        self.inline = inline  # blocking steps on the loop (no threads): not abandonable
         self.events = events
         self.control = control
         self.timeout_s = timeout_s
@@ -103,7 +106,7 @@ class Teardown:
                 if step.optional:
                     self.control._optional_step = scope
                 try:
-                    await _call(step.fn)
+                    await _call(step.fn, self.inline)
                 except Exception as exc:
                     status, error = "error", exc
                 finally:
@@ -122,11 +125,15 @@ class Teardown:
         return first_error
 
 
-async def _call(fn: Callable[[], Any]) -> None:
-    """Await an async step; run a blocking one on a thread, abandoned at its deadline."""
+async def _call(fn: Callable[[], Any], inline: bool) -> None:
+    """Await an async step; run a blocking one on a thread, abandoned at its deadline
+    (or, inline, on the loop)."""
     if inspect.iscoroutinefunction(fn):
         await fn()
         return
-    result = await anyio.to_thread.run_sync(fn, abandon_on_cancel=True)
+    if inline:
+        result = fn()
+    else:
+        result = await anyio.to_thread.run_sync(fn, abandon_on_cancel=True)
     if inspect.isawaitable(result):
         await result
