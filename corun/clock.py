@@ -8,6 +8,7 @@ it makes would be at most ``max_staleness`` versions old at train time.
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
 
 import anyio
@@ -68,3 +69,25 @@ class Clock:
     def _notify(self) -> None:
         self._changed.set()
         self._changed = anyio.Event()
+
+
+@dataclass
+class IdleTimes:
+    """How long the trainer waited for batches and the producer waited for admission,
+    as shares of the wall time since the previous step (``perf/*_idle_ratio``)."""
+
+    trainer_s: float = 0.0
+    generator_s: float = 0.0
+    rollouts_started: int = 0
+    _mark: float = field(default_factory=time.monotonic)
+
+    def take(self) -> dict[str, float]:
+        now = time.monotonic()
+        span = max(now - self._mark, 1e-9)
+        ratios = {
+            "perf/trainer_idle_ratio": min(self.trainer_s / span, 1.0),
+            "perf/generator_idle_ratio": min(self.generator_s / span, 1.0),
+        }
+        self.trainer_s = self.generator_s = 0.0
+        self._mark = now
+        return ratios

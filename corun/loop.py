@@ -29,7 +29,7 @@ import numpy as np
 import torch
 
 from corun import checkpoint, pipeline
-from corun.clock import Clock
+from corun.clock import Clock, IdleTimes
 from corun.compute import Lane, call_hook
 from corun.config import Config, load_config
 from corun.errors import CheckpointError
@@ -75,6 +75,7 @@ class _Session:
         self.run_dir: Path = config.run_dir
         state = restored[0] if restored else None
         self.run_id = state.run_id if state else secrets.token_hex(4)
+        self.idle = IdleTimes()
         self.clock = Clock.start(
             config.loop,
             step=state.step if state else 0,
@@ -203,10 +204,12 @@ class _Session:
             producers.start_soon(self._produce, send)
             async with receive:
                 while self.clock.step < self.config.run.steps:
+                    waiting = time.monotonic()
                     try:
                         batch = await receive.receive()
                     except anyio.EndOfStream:  # the producer failed: its error surfaces here
                         break
+                    self.idle.trainer_s += time.monotonic() - waiting
                     await self._train_one(batch)
             producers.cancel_scope.cancel()
 
@@ -215,8 +218,11 @@ class _Session:
     async def _produce(self, send: anyio.abc.ObjectSendStream[Batch]) -> None:
         async with send:
             for index in range(self.clock.cursor, self.config.run.steps):
+                waiting = time.monotonic()
                 await self.clock.admit(index)
                 started = time.monotonic()
+                self.idle.generator_s += started - waiting
+                self.idle.rollouts_started += 1
                 version = self.clock.version_published
                 with self.trace.span("rollout", "producer", index=index):
                     if inspect.iscoroutinefunction(self.trainer.rollout):  # an engine behind I/O
@@ -243,8 +249,11 @@ class _Session:
         self.teardown.step = step = clock.step
         metrics.update(batch.metrics)
         metrics["perf/train_time_s"] = time.monotonic() - started
+        metrics.update(self.idle.take())
         if loop.concurrency > 1:
-            metrics["async/staleness"] = float(staleness)
+            # One batch per step: its staleness is the step's mean and max.
+            metrics["async/staleness_mean"] = metrics["async/staleness_max"] = float(staleness)
+            metrics["async/inflight"] = float(self.idle.rollouts_started - clock.step + 1)
         self._log(step, metrics)
         self.events.emit("step", step, version=clock.version)
         if clock.step % loop.sync_interval == 0:

@@ -17,6 +17,7 @@ from hypothesis import strategies as st
 from trio.testing import MockClock
 
 import corun
+from corun.events import read_jsonl
 from tests.conftest import make_config
 
 
@@ -90,6 +91,15 @@ def test_staleness_and_window_bounds_hold(
         outcome = anyio.run(
             bounded, backend="trio", backend_options={"clock": MockClock(autojump_threshold=0)}
         )
+        records = [r for r in read_jsonl(Path(run_dir) / "metrics.jsonl") if "step" in r]
+    steps_logged = [r for r in records if "perf/trainer_idle_ratio" in r]
+    assert len(steps_logged) == steps
+    for record in steps_logged:
+        assert 0.0 <= record["perf/trainer_idle_ratio"] <= 1.0
+        assert 0.0 <= record["perf/generator_idle_ratio"] <= 1.0
+        if concurrency > 1:
+            assert 1 <= record["async/inflight"] <= concurrency
+            assert record["async/staleness_max"] <= max_staleness
     assert outcome.reason == "done" and trainer.trained == steps
     assert max(trainer.staleness) <= max_staleness
     assert max(trainer.window) <= concurrency
