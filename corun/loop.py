@@ -37,6 +37,7 @@ from corun.events import EventLog, Trace
 from corun.reporting import Reporter
 from corun.teardown import RunControl, Teardown
 from corun.trainer import Batch, Outcome, SetupContext, Trainer, overrides, resolve_trainer
+from corun.writer import CheckpointWriter
 
 T = TypeVar("T")
 
@@ -96,9 +97,10 @@ class _Session:
         self.reporter: Reporter | None = None
         self.last_saved = self.clock.step if restored else -1
         self.boundary_rng = checkpoint.capture_rng_raw()
-        self.pending_writes = 0
-        self.writes_done = anyio.Event()
-        self.write_error: BaseException | None = None
+        self.writer = CheckpointWriter(
+            self.run_dir, config.checkpoint.keep, self.events, self.trace, control,
+            lambda fn, *args: _blocking(config, fn, *args),
+        )  # fmt: skip
         self.outcome: Outcome | None = None
 
     # ------------------------------------------------------------------ the template
@@ -106,7 +108,7 @@ class _Session:
     async def run(self) -> Outcome:
         failure: BaseException | None = None
         async with anyio.create_task_group() as background:  # checkpoint writes
-            self.background = background
+            self.writer.attach(background)
             try:
                 with anyio.CancelScope() as root:
                     self.control.bind(root)
@@ -115,7 +117,7 @@ class _Session:
                     await self._train_steps()
             except BaseException as exc:  # a training error, or the host's cancellation
                 failure = exc
-            failure = failure or self.write_error
+            failure = failure or self.writer.error
             self.outcome = self._outcome(failure)
             self.teardown.step = self.clock.step
             self.events.emit("teardown:stop", self.clock.step, status="ok")
@@ -164,7 +166,7 @@ class _Session:
         if self.restored is not None:
             await self._restore(*self.restored)
         self.reporter.start_wandb(self.run_id, trainer.wandb_extra())
-        self.teardown.push("checkpoints", self._drain_writes)
+        self.teardown.push("checkpoints", self.writer.drain)
         self.teardown.push("save", self._save_on_interrupt, optional=True)
 
     async def _prerequisite(self, path: Path) -> None:
@@ -308,31 +310,7 @@ class _Session:
         self.events.emit(
             "save", state.step, path=str(checkpoint.step_dir(self.run_dir, state.step))
         )
-        self.pending_writes += 1
-        self.writes_done = anyio.Event()
-        self.background.start_soon(self._write, tensors, state)
-
-    async def _write(self, tensors: Any, state: checkpoint.TrainerState) -> None:
-        try:
-            with self.trace.span("write", "checkpoint", step=state.step):
-                path = await _blocking(
-                    self.config, checkpoint.write, self.run_dir, state.step, tensors, state
-                )
-                await _blocking(
-                    self.config, checkpoint.prune, self.run_dir, self.config.checkpoint.keep
-                )
-            self.events.emit("checkpoint_written", state.step, path=str(path))
-        except Exception as exc:  # a failed save fails the run: stop it, surface the error
-            self.write_error = self.write_error or exc
-            self.control.stop("error")
-        finally:
-            self.pending_writes -= 1
-            if self.pending_writes == 0:
-                self.writes_done.set()
-
-    async def _drain_writes(self) -> None:
-        if self.pending_writes:
-            await self.writes_done.wait()
+        self.writer.submit(tensors, state)
 
     async def _save_on_interrupt(self) -> None:
         if (
