@@ -165,6 +165,11 @@ class _Session:
         self.dataset = trainer.dataset()
         if self.restored is not None:
             await self._restore(*self.restored)
+            if self.clock.step < config.run.steps:
+                self.reporter.progress.note(
+                    f"corun: resuming {self.run_dir} from step {self.clock.step} of "
+                    f"{config.run.steps}"
+                )
         self.reporter.start_wandb(self.run_id, trainer.wandb_extra())
         self.teardown.push("checkpoints", self.writer.drain)
         self.teardown.push("save", self._save_on_interrupt, optional=True)
@@ -198,6 +203,11 @@ class _Session:
     async def _train_steps(self) -> None:
         """Producer task → stream → train steps, until the step budget is spent."""
         if self.clock.step >= self.config.run.steps:
+            assert self.reporter is not None
+            self.reporter.progress.note(
+                f"corun: {self.run_dir} is complete ({self.clock.step} steps): nothing to do; "
+                "raise run.steps to continue, or set run.dir to start a new run"
+            )
             return
         if self.restored is not None:
             await self._sync(forced=True)  # the engine booted with fresh weights

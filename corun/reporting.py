@@ -75,6 +75,13 @@ class Progress:
             self._last_printed = step
             print(f"step {step}/{self.total}  {headline}", file=sys.stderr, flush=True)
 
+    def note(self, text: str) -> None:
+        """A one-line message for the person watching (nothing when progress is off)."""
+        if self._bar is not None:
+            self._bar.console.print(text)
+        elif self.mode == "plain":
+            print(text, file=sys.stderr, flush=True)
+
     def close(self) -> None:
         if self._bar is not None:
             self._bar.stop()
