@@ -64,7 +64,7 @@ class LoopConfig(Section, frozen=True, forbid_unknown_fields=True, kw_only=True)
             # Between two publishes the engine lags up to sync_interval - 1 versions; a
             # tighter bound would admit no rollout and the run would wait forever.
             raise ValueError(
-                f"max_staleness = {self.max_staleness} is below sync_interval - 1 = "
+                f"`max_staleness` = {self.max_staleness} is below `sync_interval` - 1 = "
                 f"{self.sync_interval - 1}, so no rollout could ever be admitted"
             )
 
@@ -72,7 +72,7 @@ class LoopConfig(Section, frozen=True, forbid_unknown_fields=True, kw_only=True)
             # A checkpoint between two publishes cannot hold the weights the engine is
             # sampling with; resuming from it would republish newer ones.
             raise ValueError(
-                f"save_interval = {self.save_interval} is not a multiple of sync_interval = "
+                f"`save_interval` = {self.save_interval} is not a multiple of `sync_interval` = "
                 f"{self.sync_interval}: periodic checkpoints must fall on weight publishes"
             )
 
