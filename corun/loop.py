@@ -16,7 +16,6 @@ generate); more concurrency is the same code with a wider admission window.
 
 from __future__ import annotations
 
-import inspect
 import secrets
 import time
 from collections.abc import Callable, Mapping
@@ -34,6 +33,7 @@ from corun.compute import Lane, call_hook
 from corun.config import Config, load_config
 from corun.errors import CheckpointError
 from corun.events import EventLog, Trace
+from corun.producer import Producer
 from corun.reporting import Reporter
 from corun.teardown import RunControl, Teardown
 from corun.trainer import Batch, Outcome, SetupContext, Trainer, overrides, resolve_trainer
@@ -213,7 +213,10 @@ class _Session:
             await self._sync(forced=True)  # the engine booted with fresh weights
         send, receive = anyio.create_memory_object_stream[Batch](self.config.loop.concurrency)
         async with anyio.create_task_group() as producers:
-            producers.start_soon(self._produce, send)
+            producer = Producer(
+                self.trainer, self.dataset, self.rollout_lane, self.clock, self.idle, self.trace
+            )
+            producers.start_soon(producer.run, send, self.config.run.steps)
             async with receive:
                 while self.clock.step < self.config.run.steps:
                     waiting = time.monotonic()
@@ -226,28 +229,6 @@ class _Session:
             producers.cancel_scope.cancel()
 
     # ------------------------------------------------------------------ one step
-
-    async def _produce(self, send: anyio.abc.ObjectSendStream[Batch]) -> None:
-        async with send:
-            for index in range(self.clock.cursor, self.config.run.steps):
-                waiting = time.monotonic()
-                await self.clock.admit(index)
-                started = time.monotonic()
-                self.idle.generator_s += started - waiting
-                self.idle.rollouts_started += 1
-                version = self.clock.version_published
-                with self.trace.span("rollout", "producer", index=index):
-                    if inspect.iscoroutinefunction(self.trainer.rollout):  # an engine behind I/O
-                        result = await self.trainer.rollout(self.dataset.batch(index), index)
-                    else:
-                        result = await self.rollout_lane.run(self._rollout_at, index)
-                batch = result if isinstance(result, Batch) else Batch(result)
-                batch.version, batch.step = version, index
-                batch.metrics = {**batch.metrics, "perf/rollout_time_s": time.monotonic() - started}
-                await send.send(batch)
-
-    def _rollout_at(self, index: int) -> Any:
-        return self.trainer.rollout(self.dataset.batch(index), index)
 
     async def _train_one(self, batch: Batch) -> None:
         clock, loop = self.clock, self.config.loop
