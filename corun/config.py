@@ -49,6 +49,9 @@ class LoopConfig(Section, frozen=True, forbid_unknown_fields=True, kw_only=True)
     max_staleness: NonNegativeInt | None = None
     # Optimizer steps per weight publish to the rollout engine.
     sync_interval: PositiveInt = 1
+    # Rollout workers, each on its own compute lane, when concurrency > 1 (at
+    # concurrency 1 rollouts share the train lane: generate and train never overlap).
+    workers: PositiveInt = 1
     # Steps between periodic evals / saves; 0 turns them off.
     eval_interval: NonNegativeInt = 0
     save_interval: NonNegativeInt = 0
@@ -68,6 +71,11 @@ class LoopConfig(Section, frozen=True, forbid_unknown_fields=True, kw_only=True)
                 f"{self.sync_interval - 1}, so no rollout could ever be admitted"
             )
 
+        if self.workers > self.concurrency:
+            raise ValueError(
+                f"`workers` = {self.workers} exceeds `concurrency` = {self.concurrency}: no more "
+                "than concurrency batches are ever in flight"
+            )
         if self.save_interval and self.save_interval % self.sync_interval:
             # A checkpoint between two publishes cannot hold the weights the engine is
             # sampling with; resuming from it would republish newer ones.

@@ -92,8 +92,14 @@ class _Session:
             inline=config.loop.compute == "inline",
         )
         self.train_lane = Lane("train", config.loop.compute)
-        # One lane at concurrency 1: rollout and training share the thread, in order.
-        self.rollout_lane = self.train_lane
+        # At concurrency 1 rollout and training share the thread, in order (exactly a
+        # hand-written loop); above it, each rollout worker has a lane of its own.
+        loop = config.loop
+        self.rollout_lanes = (
+            [self.train_lane]
+            if loop.concurrency == 1
+            else [Lane(f"rollout-{i}", loop.compute) for i in range(loop.workers)]
+        )
         self.reporter: Reporter | None = None
         self.last_saved = self.clock.step if restored else -1
         self.boundary_rng = checkpoint.capture_rng_raw()
@@ -122,7 +128,8 @@ class _Session:
             self.teardown.step = self.clock.step
             self.events.emit("teardown:stop", self.clock.step, status="ok")
             teardown_error = await self.teardown.run()
-            self.train_lane.close()
+            for lane in {self.train_lane, *self.rollout_lanes}:
+                lane.close()
             self.trace.close()
             self._end(self.outcome)
         if failure is not None:
@@ -214,7 +221,7 @@ class _Session:
         send, receive = anyio.create_memory_object_stream[Batch](self.config.loop.concurrency)
         async with anyio.create_task_group() as producers:
             producer = Producer(
-                self.trainer, self.dataset, self.rollout_lane, self.clock, self.idle, self.trace
+                self.trainer, self.dataset, self.rollout_lanes, self.clock, self.idle, self.trace
             )
             producers.start_soon(producer.run, send, self.config.run.steps)
             async with receive:
