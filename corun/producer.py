@@ -47,10 +47,13 @@ class Producer:
     async def run(self, send: anyio.abc.ObjectSendStream[Batch], stop: int) -> None:
         """Produce the batches for data indexes from the clock's cursor up to ``stop``."""
         async with send, anyio.create_task_group() as workers:
-            for lane in self.lanes:
-                workers.start_soon(self._work, lane, send, stop)
+            for i, lane in enumerate(self.lanes):
+                track = "producer" if len(self.lanes) == 1 else f"producer-{i}"
+                workers.start_soon(self._work, lane, track, send, stop)
 
-    async def _work(self, lane: Lane, send: anyio.abc.ObjectSendStream[Batch], stop: int) -> None:
+    async def _work(
+        self, lane: Lane, track: str, send: anyio.abc.ObjectSendStream[Batch], stop: int
+    ) -> None:
         while (index := self._next_index) < stop:
             self._next_index += 1
             waiting = time.monotonic()
@@ -59,7 +62,7 @@ class Producer:
             self.idle.generator_s += started - waiting
             self.idle.rollouts_started += 1
             version = self.clock.version_published
-            with self.trace.span("rollout", lane.name, index=index):
+            with self.trace.span("rollout", track, index=index):
                 if self.rollout_is_async:
                     result = await self._rollout_at(index)
                 else:
