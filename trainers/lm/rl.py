@@ -9,12 +9,14 @@ A subclass supplies only its algorithm: how a scored batch becomes training data
 from __future__ import annotations
 
 import copy
+import threading
 import time
 from dataclasses import dataclass
 from typing import Annotated, Any, Literal, TypeVar
 
 import msgspec
 import torch
+from msgspec.structs import asdict
 from torch import Tensor
 
 from corun.config import TrainerConfig
@@ -26,6 +28,7 @@ from trainers.lm.model import TinyLM
 from trainers.lm.policy import (
     HeldOutEval,
     build_policy,
+    load_policy,
     load_policy_state,
     policy_from,
     policy_state,
@@ -100,7 +103,13 @@ class LMPolicyTrainer(Trainer[C]):
         self.extra_modules = self.build_extra_modules()
         params = [*self.policy.parameters(), *self.extra_parameters()]
         self.optimizer = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=0.0)
+        # The train thread's engine is updated in place at each sync. Rollout workers
+        # on other threads (concurrency > 1) get replicas that take the latest
+        # published snapshot before each generation, so no weights are ever torn.
         self.engine = LocalEngine(self.policy)
+        self._train_thread = threading.get_ident()
+        self._replicas: dict[int, LocalEngine] = {}
+        self._published = (0, _cloned(self.policy.state_dict()))
         self.held_out = HeldOutEval(self.task, cfg.eval_size)
         self.max_new_tokens = cfg.max_new_tokens or self.task.max_answer_len + 1
 
@@ -124,13 +133,13 @@ class LMPolicyTrainer(Trainer[C]):
         started = time.monotonic()
         data, metrics = self.make_batch(examples)
         metrics["perf/rollout_total_time_s"] = time.monotonic() - started
-        return Batch(data, metrics=metrics)
+        return Batch(data, metrics=metrics, version=data.rollouts.version)
 
     def sample_and_score(self, examples: list[tuple[str, str]]) -> tuple[Scored, dict[str, float]]:
         """Sample ``samples_per_prompt`` responses per prompt and score them."""
         cfg, n = self.config, self.config.samples_per_prompt
         started = time.monotonic()
-        rollouts = self.engine.generate(
+        rollouts = self._rollout_engine().generate(
             encode_prompts([p for p, _ in examples]), n, self.max_new_tokens, cfg.temperature,
             cfg.top_p,
         )  # fmt: skip
@@ -218,8 +227,25 @@ class LMPolicyTrainer(Trainer[C]):
         return aggregate(loss_tok, mask, cfg.loss_agg), metrics, hidden
 
     # ---- sync, eval, state
+    def _rollout_engine(self) -> LocalEngine:
+        """The calling thread's engine, caught up with the latest published weights."""
+        thread = threading.get_ident()
+        if thread == self._train_thread:
+            return self.engine
+        version, state = self._published
+        replica = self._replicas.get(thread)
+        if replica is None:
+            model = load_policy({"model_config": asdict(self.policy.config), "model": state})
+            replica = self._replicas[thread] = LocalEngine(model)
+            replica.version = version
+        elif replica.version != version:
+            replica.update_weights(state, version)
+        return replica
+
     def sync_weights(self, version: int) -> None:
         self.engine.update_weights(self.policy.state_dict(), version)
+        if self.run_config.loop.concurrency > 1:  # replicas on rollout workers read this
+            self._published = (version, _cloned(self.policy.state_dict()))
 
     def evaluate(self) -> dict[str, float]:
         return self.held_out(self.policy)
@@ -235,6 +261,10 @@ class LMPolicyTrainer(Trainer[C]):
         load_policy_state(state, self.policy, self.optimizer, self.config.task)
         for name, module in self.extra_modules.items():
             module.load_state_dict(state["extra"][name])
+
+
+def _cloned(state: dict[str, Tensor]) -> dict[str, Tensor]:
+    return {key: value.detach().clone() for key, value in state.items()}
 
 
 def _masked_mean(values: Tensor, mask: Tensor) -> float:
