@@ -58,6 +58,23 @@ def clipped_surrogate(
     return torch.maximum(unclipped, clipped), (clipped > unclipped)
 
 
+def decoupled_surrogate(
+    logp: Tensor, proximal_logp: Tensor, behaviour_logp: Tensor, advantages: Tensor,
+    clip_low: float, clip_high: float, cap: float,
+) -> tuple[Tensor, Tensor, Tensor]:  # fmt: skip
+    """Off-policy correction for stale batches (decoupled PPO).
+
+    Clipping is taken against the proximal policy (the weights before this batch's
+    updates), and the behaviour policy that generated the batch enters only through
+    an importance weight ``π_prox / π_behav``, capped at ``cap`` so one very stale
+    token cannot dominate. On-policy (behaviour == proximal) it is the plain clipped
+    surrogate. Returns (per-token loss, where clipping bit, the weights).
+    """
+    weights = torch.exp(proximal_logp - behaviour_logp).clamp(max=cap).detach()
+    loss, clipped = clipped_surrogate(logp, proximal_logp, advantages, clip_low, clip_high)
+    return weights * loss, clipped, weights
+
+
 def aggregate(loss: Tensor, mask: Tensor, mode: LossAggregation) -> Tensor:
     """Reduce per-token losses (B, T) to a scalar.
 

@@ -35,7 +35,13 @@ from trainers.lm.policy import (
     response_logprobs,
 )
 from trainers.lm.tasks import TASKS, TaskData, decode_responses, encode_prompts
-from trainers.pg import LossAggregation, aggregate, clipped_surrogate, kl_k3
+from trainers.pg import (
+    LossAggregation,
+    aggregate,
+    clipped_surrogate,
+    decoupled_surrogate,
+    kl_k3,
+)
 
 TaskName = Literal["sort", "addition", "reverse"]
 PositiveInt = Annotated[int, msgspec.Meta(ge=1)]
@@ -68,6 +74,10 @@ class RLConfig(TrainerConfig, frozen=True, forbid_unknown_fields=True, kw_only=T
     kl_coef: NonNegativeFloat = 0.0
     # Optimizer updates per rollout batch, each on a disjoint slice of it.
     mini_batches: PositiveInt = 1
+    # Stale batches (concurrency > 1): "decoupled" clips against the weights before
+    # this batch's updates and weighs tokens by π_prox/π_behaviour, capped.
+    off_policy_correction: Literal["none", "decoupled"] = "none"
+    importance_cap: Annotated[float, msgspec.Meta(ge=1)] = 2.0
     grad_clip: NonNegativeFloat = 1.0
     eval_size: PositiveInt = 512
 
@@ -110,6 +120,7 @@ class LMPolicyTrainer(Trainer[C]):
         self._train_thread = threading.get_ident()
         self._replicas: dict[int, LocalEngine] = {}
         self._published = (0, _cloned(self.policy.state_dict()))
+        self._proximal: Tensor | None = None  # per batch, with the decoupled correction
         self.held_out = HeldOutEval(self.task, cfg.eval_size)
         self.max_new_tokens = cfg.max_new_tokens or self.task.max_answer_len + 1
 
@@ -172,6 +183,13 @@ class LMPolicyTrainer(Trainer[C]):
         """``mini_batches`` optimizer updates over disjoint row slices of the batch."""
         data = self.prepare(batch.data)
         rows = torch.arange(data.rollouts.prompt_ids.shape[0])
+        self._proximal = None
+        if self.config.off_policy_correction == "decoupled":
+            with torch.no_grad():  # the policy before this batch's updates
+                self._proximal, _, _ = response_logprobs(
+                    self.policy, data.rollouts.sequences, data.rollouts.prompt_ids.shape[1],
+                    self.config.temperature,
+                )  # fmt: skip
         totals: dict[str, float] = {}
         self.policy.train()
         for part in rows.tensor_split(min(self.config.mini_batches, rows.numel())):
@@ -207,13 +225,19 @@ class LMPolicyTrainer(Trainer[C]):
             self.policy, part.sequences, prompt_len, cfg.temperature
         )
         mask = part.response_mask
-        loss_tok, clipped = clipped_surrogate(
-            logp, part.logprobs, advantages, cfg.clip_low, cfg.clip_high
-        )
-        metrics = {
-            "train/clip_ratio": _masked_mean(clipped.float(), mask),
-            "train/entropy": _masked_mean(entropy.detach(), mask),
-        }
+        metrics: dict[str, float] = {}
+        if self._proximal is not None:
+            loss_tok, clipped, weights = decoupled_surrogate(
+                logp, self._proximal[rows], part.logprobs, advantages, cfg.clip_low,
+                cfg.clip_high, cfg.importance_cap,
+            )  # fmt: skip
+            metrics["train/importance_weight_mean"] = _masked_mean(weights, mask)
+        else:
+            loss_tok, clipped = clipped_surrogate(
+                logp, part.logprobs, advantages, cfg.clip_low, cfg.clip_high
+            )
+        metrics["train/clip_ratio"] = _masked_mean(clipped.float(), mask)
+        metrics["train/entropy"] = _masked_mean(entropy.detach(), mask)
         if self.reference is not None:
             with torch.no_grad():
                 ref_logp, _, _ = response_logprobs(
