@@ -1,0 +1,67 @@
+"""Async mode (concurrency > 1, rollout workers on their own lanes): a stop in every
+phase, and a failure in a producer or in the weight sync, tear down in the
+documented order, on asyncio and trio."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import anyio
+import pytest
+
+import corun
+from corun import checkpoint
+from corun.events import read_jsonl
+from tests.conftest import make_config
+from tests.fakes import TEARDOWN_ORDER, FakeError, FakeTrainer
+
+pytestmark = pytest.mark.anyio
+
+ASYNC_LOOP = {"concurrency": 3, "workers": 2, "max_staleness": 2, "save_interval": 2}
+
+
+def _trainer(run_dir: Path, **trainer: object) -> FakeTrainer:
+    config = make_config(
+        run_dir, {"kind": "tests.fakes:FakeTrainer", **trainer}, run={"steps": 6},
+        loop=ASYNC_LOOP,
+    )  # fmt: skip
+    return FakeTrainer(config)
+
+
+def _teardown_events(run_dir: Path) -> list[str]:
+    names = [r["event"] for r in read_jsonl(run_dir / "events.jsonl")]
+    return [n for n in names if n.startswith("teardown:") or n == "end"]
+
+
+@pytest.mark.parametrize("phase", ["rollout", "train", "sync", "save"])
+async def test_stop_in_each_async_phase(tmp_path: Path, phase: str) -> None:
+    run_dir = tmp_path / "run"
+    trainer = _trainer(run_dir, slow_in=phase, slow_s=0.3)
+    control = corun.RunControl()
+
+    async def stop_in_phase() -> None:
+        while not (run_dir / f"phase-{phase}").exists():
+            await anyio.sleep(0.005)
+        control.stop("interrupted", signal="SIGINT")
+
+    with anyio.fail_after(60):
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(stop_in_phase)
+            outcome = await corun.run(trainer, trainer.run_config, control=control)
+    assert outcome.reason == "interrupted"
+    assert _teardown_events(run_dir) == [*TEARDOWN_ORDER, "end"]
+    assert trainer.calls[-1] == "on_train_end:interrupted"
+    latest = checkpoint.latest(run_dir)
+    if latest is not None:
+        checkpoint.read(latest)  # whatever was saved loads
+
+
+@pytest.mark.parametrize("phase", ["rollout", "sync"])
+async def test_failure_in_producer_or_sync_surfaces(tmp_path: Path, phase: str) -> None:
+    run_dir = tmp_path / "run"
+    trainer = _trainer(run_dir, fail_in=phase, fail_at_step=3)
+    with anyio.fail_after(60), pytest.raises(FakeError, match=f"failure in {phase}"):
+        await corun.run(trainer, trainer.run_config)
+    assert _teardown_events(run_dir) == [*TEARDOWN_ORDER, "end"]
+    assert read_jsonl(run_dir / "events.jsonl")[-1]["reason"] == "error"
+    assert trainer.calls[-1] == "on_train_end:error"
