@@ -65,3 +65,20 @@ async def test_failure_in_producer_or_sync_surfaces(tmp_path: Path, phase: str) 
     assert _teardown_events(run_dir) == [*TEARDOWN_ORDER, "end"]
     assert read_jsonl(run_dir / "events.jsonl")[-1]["reason"] == "error"
     assert trainer.calls[-1] == "on_train_end:error"
+
+
+async def test_async_resume_trains_every_index_once(tmp_path: Path) -> None:
+    """Buffers start empty on resume and the cursor is exact: what was in flight at
+    the checkpoint is generated again, and nothing is skipped or trained twice."""
+    run_dir = tmp_path / "run"
+    trained: list[str] = []
+    with anyio.fail_after(60):
+        for steps in (4, 8):
+            config = make_config(
+                run_dir, {"kind": "tests.fakes:FakeTrainer"}, run={"steps": steps},
+                loop=ASYNC_LOOP,
+            )  # fmt: skip
+            trainer = FakeTrainer(config)
+            await corun.run(trainer, config)
+            trained += [c for c in trainer.calls if c.startswith("train:")]
+    assert trained == [f"train:{i}" for i in range(8)]
