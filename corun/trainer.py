@@ -14,7 +14,7 @@ every exit path.
 from __future__ import annotations
 
 import importlib
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from importlib.metadata import entry_points
 from pathlib import Path
@@ -94,7 +94,7 @@ class Trainer(Generic[C]):
         """Configs of runs to train (or reuse, when complete) before this one's set-up."""
         return ()
 
-    def setup(self, ctx: SetupContext) -> None:
+    def setup(self, ctx: SetupContext) -> Awaitable[None] | None:
         """Build models, optimizer, engine; register what needs teardown on ``ctx``."""
 
     def dataset(self) -> Dataset:
@@ -106,21 +106,21 @@ class Trainer(Generic[C]):
         """Generate, score and compute advantages for one batch (a producer task)."""
         return inputs
 
-    def train_step(self, batch: Batch) -> Metrics:
+    def train_step(self, batch: Batch) -> Metrics | Awaitable[Metrics]:
         """One optimizer update on ``batch``; returns metrics such as ``train/loss``."""
         return {}
 
-    def sync_weights(self, version: int) -> None:
+    def sync_weights(self, version: int) -> Awaitable[None] | None:
         """Publish the trained weights (``version`` optimizer steps) to the rollout engine."""
 
     # ---- evaluation
-    def evaluate(self) -> Metrics:
+    def evaluate(self) -> Metrics | Awaitable[Metrics]:
         return {}
 
-    def evaluate_baseline(self) -> Metrics:
+    def evaluate_baseline(self) -> Metrics | Awaitable[Metrics]:
         return self.evaluate()
 
-    def evaluate_periodic(self, step: int) -> Metrics:
+    def evaluate_periodic(self, step: int) -> Metrics | Awaitable[Metrics]:
         return self.evaluate()
 
     # ---- observability and end
@@ -128,7 +128,7 @@ class Trainer(Generic[C]):
         """Extra keys for the logging run's config."""
         return {}
 
-    def on_train_end(self, outcome: Outcome) -> None:
+    def on_train_end(self, outcome: Outcome) -> Awaitable[None] | None:
         """The last hook, called on every exit path."""
 
     # ---- resume
