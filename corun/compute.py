@@ -96,9 +96,12 @@ def _waker(done: anyio.Event) -> Callable[[], None]:
 class Lane:
     """One stream of blocking calls, run in order on the lane's own thread (or inline)."""
 
-    def __init__(self, name: str, mode: ComputeMode = "thread") -> None:
+    def __init__(self, name: str, mode: ComputeMode = "thread", torch_threads: int = 0) -> None:
         self.name = name
         self.mode = mode
+        # torch's intra-op thread count is per OS thread: lanes that run side by side
+        # get their own budget so together they do not oversubscribe the cores.
+        self.torch_threads = torch_threads
         self._calls: queue.SimpleQueue[_Call[Any] | None] = queue.SimpleQueue()
         self._thread: threading.Thread | None = None
 
@@ -132,6 +135,10 @@ class Lane:
             self._thread.start()
 
     def _serve(self) -> None:
+        if self.torch_threads:
+            import torch
+
+            torch.set_num_threads(self.torch_threads)
         while (call := self._calls.get()) is not None:
             call.run()
 

@@ -52,6 +52,10 @@ class LoopConfig(Section, frozen=True, forbid_unknown_fields=True, kw_only=True)
     # Rollout workers, each on its own compute lane, when concurrency > 1 (at
     # concurrency 1 rollouts share the train lane: generate and train never overlap).
     workers: PositiveInt = 1
+    # torch intra-op threads for each lane when concurrency > 1 (the train lane and
+    # every rollout worker's); 0 keeps torch's default. Lanes run side by side, so
+    # on a small machine give each a share of the cores.
+    lane_threads: NonNegativeInt = 0
     # Steps between periodic evals / saves; 0 turns them off.
     eval_interval: NonNegativeInt = 0
     save_interval: NonNegativeInt = 0

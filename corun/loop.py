@@ -91,14 +91,15 @@ class _Session:
             config.run.teardown_timeout_s,
             inline=config.loop.compute == "inline",
         )
-        self.train_lane = Lane("train", config.loop.compute)
         # At concurrency 1 rollout and training share the thread, in order (exactly a
         # hand-written loop); above it, each rollout worker has a lane of its own.
         loop = config.loop
+        threads = loop.lane_threads if loop.concurrency > 1 else 0
+        self.train_lane = Lane("train", loop.compute, threads)
         self.rollout_lanes = (
             [self.train_lane]
             if loop.concurrency == 1
-            else [Lane(f"rollout-{i}", loop.compute) for i in range(loop.workers)]
+            else [Lane(f"rollout-{i}", loop.compute, threads) for i in range(loop.workers)]
         )
         self.reporter: Reporter | None = None
         self.last_saved = self.clock.step if restored else -1

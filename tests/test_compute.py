@@ -1,0 +1,57 @@
+"""Compute lanes: one OS thread per lane, a per-lane torch thread budget, and
+cooperative cancellation that never loses a completed call."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import anyio
+import pytest
+import torch
+
+from corun.compute import Lane, cancel_point
+
+pytestmark = pytest.mark.anyio
+
+
+async def test_lane_keeps_one_thread_and_its_own_torch_budget() -> None:
+    lane = Lane("t", "thread", torch_threads=3)  # neither the test default (1) nor the cores
+    try:
+        seen = [await lane.run(lambda: (threading.get_ident(), torch.get_num_threads()))
+                for _ in range(5)]  # fmt: skip
+    finally:
+        lane.close()
+    assert len({ident for ident, _ in seen}) == 1
+    assert {threads for _, threads in seen} == {3}
+    assert threading.get_ident() not in {ident for ident, _ in seen}
+
+
+async def test_cancel_point_stops_a_running_call() -> None:
+    lane = Lane("t")
+    steps: list[int] = []
+
+    def work() -> None:
+        for i in range(500):
+            steps.append(i)
+            time.sleep(0.002)
+            cancel_point()
+
+    try:
+        with anyio.fail_after(10), anyio.move_on_after(0.05):
+            await lane.run(work)
+    finally:
+        lane.close()
+    assert 0 < len(steps) < 500  # stopped at a cancel point, not at the end
+
+
+async def test_completed_call_returns_its_result_despite_cancellation() -> None:
+    lane = Lane("t")
+    try:
+        with anyio.fail_after(10):
+            with anyio.CancelScope() as scope:
+                scope.cancel()  # cancelled before the call even starts
+                result = await lane.run(lambda: 42)  # no cancel point: it completes
+            assert result == 42
+    finally:
+        lane.close()
