@@ -47,6 +47,8 @@ CONFIG_CASES = [
     # (id, overrides, places the line names, kinds)
     ("unknown-task", ["trainer.task=nope"], ["`$.trainer.task`", "nope"], KINDS),
     ("unknown-loss-agg", ["trainer.loss_agg=mean"], ["`$.trainer.loss_agg`", "mean"], KINDS),
+    # A shape the model cannot build is refused at load, not at set-up.
+    ("heads-do-not-divide", ["trainer.d_model=31"], ["`$.trainer.d_model`"], KINDS),
     (
         "grpo-one-sample",
         ["trainer.samples_per_prompt=1"],

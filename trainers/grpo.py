@@ -15,7 +15,8 @@ import torch
 from torch import Tensor
 
 from trainers.lm.engine import Rollouts
-from trainers.lm.rl import LMPolicyTrainer, PositiveInt, RLConfig, Scored
+from trainers.lm.rl import LMPolicyTrainer, RLConfig, Scored
+from trainers.lm.settings import PositiveInt
 from trainers.pg import AdvantageScope, group_advantages, zero_std_groups
 
 
@@ -28,6 +29,7 @@ class GRPOConfig(RLConfig, frozen=True, forbid_unknown_fields=True, kw_only=True
     max_sampling_rounds: PositiveInt = 3
 
     def __post_init__(self) -> None:
+        super().__post_init__()
         if self.samples_per_prompt < 2:
             raise ValueError(
                 f"`$.samples_per_prompt` = {self.samples_per_prompt}: GRPO compares each "

@@ -18,7 +18,8 @@ from torch import Tensor, nn
 
 from trainers.lm.engine import Rollouts
 from trainers.lm.policy import response_logprobs
-from trainers.lm.rl import LMPolicyTrainer, NonNegativeFloat, RLConfig, Scored
+from trainers.lm.rl import LMPolicyTrainer, RLConfig, Scored
+from trainers.lm.settings import NonNegativeFloat
 from trainers.pg import aggregate, clipped_value_loss, gae
 
 Unit = Annotated[float, msgspec.Meta(ge=0, le=1)]

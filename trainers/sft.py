@@ -7,14 +7,13 @@ warm-start the RL trainers through :func:`load_policy`.
 
 from __future__ import annotations
 
-from typing import Annotated, Any, Literal, get_args
+from typing import Annotated, Any
 
 import msgspec
 import torch
 import torch.nn.functional as F
 
 from corun.compute import cancel_point
-from corun.config import TrainerConfig
 from corun.data import Dataset, ShuffledBatches, read_jsonl
 from corun.trainer import Batch, SetupContext, Trainer
 from trainers.lm.policy import (
@@ -24,6 +23,7 @@ from trainers.lm.policy import (
     load_policy_state,
     policy_state,
 )
+from trainers.lm.settings import LMTrainerConfig, NonNegativeFloat, PositiveInt
 from trainers.lm.tasks import (
     CHARS,
     MAX_LEN,
@@ -36,19 +36,10 @@ from trainers.lm.tasks import (
 
 __all__ = ["SFTConfig", "SFTTrainer", "load_policy"]
 
-TaskName = Literal["sort", "addition", "reverse"]
-PositiveInt = Annotated[int, msgspec.Meta(ge=1)]
-NonNegativeFloat = Annotated[float, msgspec.Meta(ge=0)]
-assert set(get_args(TaskName)) == TASKS.keys(), "TaskName must list exactly the tasks"
 
-
-class SFTConfig(TrainerConfig, frozen=True, forbid_unknown_fields=True, kw_only=True):
+class SFTConfig(LMTrainerConfig, frozen=True, forbid_unknown_fields=True, kw_only=True):
     """``[trainer]`` of an SFT run: the task, the TinyLM shape and the optimizer."""
 
-    task: TaskName = "sort"
-    d_model: PositiveInt = 128
-    n_layers: PositiveInt = 2
-    n_heads: PositiveInt = 4
     lr: Annotated[float, msgspec.Meta(gt=0)] = 1e-3
     weight_decay: NonNegativeFloat = 0.0
     # Max global gradient norm; 0 turns clipping off (the norm is still reported).
@@ -57,13 +48,6 @@ class SFTConfig(TrainerConfig, frozen=True, forbid_unknown_fields=True, kw_only=
     micro_batches: PositiveInt = 1
     # Held-out prompts scored by every evaluation.
     eval_size: PositiveInt = 512
-
-    def __post_init__(self) -> None:
-        if self.d_model % self.n_heads:
-            # Paths relative to this table, like msgspec's own; the loader prefixes `.trainer`.
-            raise ValueError(
-                f"`$.d_model` ({self.d_model}) must be divisible by `$.n_heads` ({self.n_heads})"
-            )
 
 
 class SFTRecord(msgspec.Struct, frozen=True, forbid_unknown_fields=True):

@@ -19,7 +19,6 @@ import torch
 from msgspec.structs import asdict
 from torch import Tensor
 
-from corun.config import TrainerConfig
 from corun.data import Dataset
 from corun.pipeline import is_config
 from corun.trainer import Batch, SetupContext, Trainer
@@ -34,6 +33,7 @@ from trainers.lm.policy import (
     policy_state,
     response_logprobs,
 )
+from trainers.lm.settings import LMTrainerConfig, NonNegativeFloat, PositiveInt
 from trainers.lm.tasks import TASKS, TaskData, decode_responses, encode_prompts
 from trainers.pg import (
     LossAggregation,
@@ -43,22 +43,15 @@ from trainers.pg import (
     kl_k3,
 )
 
-TaskName = Literal["sort", "addition", "reverse"]
-PositiveInt = Annotated[int, msgspec.Meta(ge=1)]
-NonNegativeFloat = Annotated[float, msgspec.Meta(ge=0)]
 UnitFloat = Annotated[float, msgspec.Meta(gt=0, le=1)]
 
 
-class RLConfig(TrainerConfig, frozen=True, forbid_unknown_fields=True, kw_only=True):
+class RLConfig(LMTrainerConfig, frozen=True, forbid_unknown_fields=True, kw_only=True):
     """Settings shared by the LM policy-gradient trainers."""
 
-    task: TaskName = "sort"
     # Warm start: a checkpoint directory, or the .toml config of a run that corun
     # trains first when its final checkpoint is missing. Empty: a fresh model.
     init_from: str = ""
-    d_model: PositiveInt = 128  # model shape, for a fresh model only
-    n_layers: PositiveInt = 2
-    n_heads: PositiveInt = 4
     lr: Annotated[float, msgspec.Meta(gt=0)] = 3e-4
     samples_per_prompt: PositiveInt = 8
     temperature: Annotated[float, msgspec.Meta(gt=0)] = 1.0
