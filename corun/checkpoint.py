@@ -43,10 +43,12 @@ class TrainerState(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     format: int
     step: int  # optimizer steps completed
     version: int  # weight version (== step for one update per step)
-    data_cursor: int  # index of the next batch to draw
+    data_cursor: int  # lowest data index not trained yet
     rng: RngState
     run_id: str  # also the wandb run id, reattached on resume
     config_digest: str
+    # Indexes above the cursor already trained (completion-order consumption only).
+    trained_ahead: list[int] = []
 
 
 def capture_rng() -> RngState:

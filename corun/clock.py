@@ -1,9 +1,17 @@
 """The version clock: steps, weight versions, the data cursor, and rollout admission.
 
 ``version`` counts optimizer steps applied; ``published`` is the version the
-rollout engine holds. A rollout for data index ``i`` is admitted when fewer than
-``concurrency`` batches are ahead of the last completed step, and when the batch
-it makes would be at most ``max_staleness`` versions old at train time.
+rollout engine holds. Each admitted rollout takes a *slot*: its expected place in
+training order (slots of dropped batches are given back). A rollout is admitted
+when fewer than ``concurrency`` slots are ahead of the last completed step, and
+when the batch it makes would be at most ``max_staleness`` versions old if trained
+in its slot. In start order every batch trains in its slot, so no batch is ever
+over the bound; in completion order a slow batch can be overtaken, and the loop
+drops it (``dropped``) and its data index is generated again.
+
+The data cursor is exact in both orders: ``cursor`` is the lowest index not yet
+trained and ``trained_ahead`` the indexes above it that were (completion order
+only). A checkpoint records both, so a resumed run trains every index once.
 """
 
 from __future__ import annotations
@@ -23,12 +31,17 @@ class Clock:
     step: int = 0  # optimizer steps trained
     version: int = 0  # weight version; one update per step, so == step
     published: int = 0  # version the rollout engine holds
-    cursor: int = 0  # data index of the next batch to train on
+    cursor: int = 0  # lowest data index not yet trained
+    trained_ahead: set[int] = field(default_factory=set)  # trained indexes above it
     done: int = 0  # steps whose whole body (sync, eval, save) has finished
+    slots: int = 0  # rollouts admitted, less those dropped: the next one's place in order
+    dropped: int = 0  # batches over the staleness bound, never trained
     _changed: anyio.Event = field(default_factory=anyio.Event)
 
     @classmethod
-    def start(cls, loop: LoopConfig, step: int, version: int, cursor: int) -> Clock:
+    def start(
+        cls, loop: LoopConfig, step: int, version: int, cursor: int, trained_ahead: list[int]
+    ) -> Clock:
         return cls(
             concurrency=loop.concurrency,
             max_staleness=loop.staleness_bound,
@@ -36,27 +49,52 @@ class Clock:
             version=version,
             published=version,
             cursor=cursor,
+            trained_ahead=set(trained_ahead),
             done=step,
+            slots=step,
         )
 
     @property
     def version_published(self) -> int:
         return self.published
 
-    def admissible(self, index: int) -> bool:
-        ahead = index - self.done
-        staleness = index - self.published
+    def admissible(self) -> bool:
+        ahead = self.slots - self.done
+        staleness = self.slots - self.published
         return ahead < self.concurrency and staleness <= self.max_staleness
 
-    async def admit(self, index: int) -> None:
-        """Wait until a rollout for data index ``index`` may start."""
-        while not self.admissible(index):
+    async def admit(self) -> None:
+        """Wait until another rollout may start, and take its slot."""
+        while not self.admissible():
             await self._changed.wait()
+        self.slots += 1
+
+    def release(self) -> None:
+        """Give back a slot taken by a rollout that did not start."""
+        self.slots -= 1
+        self._notify()
+
+    def is_stale(self, version: int) -> bool:
+        """Whether a batch made with ``version`` is over the bound if trained now."""
+        return self.step - version > self.max_staleness
+
+    def drop(self) -> None:
+        """A batch was over the bound: its slot is free for the rollout that redoes it."""
+        self.dropped += 1
+        self.release()
 
     def trained(self, index: int) -> None:
         self.step += 1
         self.version += 1
-        self.cursor = index + 1
+        self.trained_ahead.add(index)
+        while self.cursor in self.trained_ahead:
+            self.trained_ahead.remove(self.cursor)
+            self.cursor += 1
+
+    @property
+    def inflight(self) -> int:
+        """Batches admitted and not yet trained, counting the one in the current step."""
+        return self.slots - self.done
 
     def published_version(self, version: int) -> None:
         self.published = version

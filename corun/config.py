@@ -52,6 +52,11 @@ class LoopConfig(Section, frozen=True, forbid_unknown_fields=True, kw_only=True)
     # Rollout workers, each on its own compute lane, when concurrency > 1 (at
     # concurrency 1 rollouts share the train lane: generate and train never overlap).
     workers: PositiveInt = 1
+    # Order the trainer takes batches in when concurrency > 1: "start" (the order
+    # their rollouts started; deterministic) or "completion" (as each finishes; the
+    # trainer never waits behind a slow rollout, and an overtaken batch that ends
+    # up over max_staleness is dropped and generated again).
+    order: Literal["start", "completion"] = "start"
     # torch intra-op threads for each lane when concurrency > 1 (the train lane and
     # every rollout worker's); 0 keeps torch's default. Lanes run side by side, so
     # on a small machine give each a share of the cores.

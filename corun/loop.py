@@ -82,6 +82,7 @@ class _Session:
             step=state.step if state else 0,
             version=state.version if state else 0,
             cursor=state.data_cursor if state else 0,
+            trained_ahead=state.trained_ahead if state else [],
         )
         self.events = EventLog(self.run_dir)
         self.trace = Trace(self.run_dir)
@@ -219,12 +220,14 @@ class _Session:
             return
         if self.restored is not None:
             await self._sync(forced=True)  # the engine booted with fresh weights
-        send, receive = anyio.create_memory_object_stream[Batch](self.config.loop.concurrency)
+        loop = self.config.loop
+        send, receive = anyio.create_memory_object_stream[Batch](loop.concurrency)
         async with anyio.create_task_group() as producers:
             producer = Producer(
-                self.trainer, self.dataset, self.rollout_lanes, self.clock, self.idle, self.trace
-            )
-            producers.start_soon(producer.run, send, self.config.run.steps)
+                self.trainer, self.dataset, self.rollout_lanes, self.clock, self.idle,
+                self.trace, loop.order, stop=self.config.run.steps,
+            )  # fmt: skip
+            producers.start_soon(producer.run, send)
             async with receive:
                 while self.clock.step < self.config.run.steps:
                     waiting = time.monotonic()
@@ -233,8 +236,19 @@ class _Session:
                     except anyio.EndOfStream:  # the producer failed: its error surfaces here
                         break
                     self.idle.trainer_s += time.monotonic() - waiting
-                    await self._train_one(batch)
+                    if self.clock.is_stale(batch.version):
+                        self._drop(batch)
+                        producer.requeue(batch.step)
+                    else:
+                        await self._train_one(batch)
             producers.cancel_scope.cancel()
+
+    def _drop(self, batch: Batch) -> None:
+        """Overtaken in completion order: too stale to train on; its index is redone."""
+        self.clock.drop()
+        self.events.emit(
+            "drop", self.clock.step, index=batch.step, staleness=self.clock.step - batch.version
+        )
 
     # ------------------------------------------------------------------ one step
 
@@ -254,7 +268,8 @@ class _Session:
         if loop.concurrency > 1:
             # One batch per step: its staleness is the step's mean and max.
             metrics["async/staleness_mean"] = metrics["async/staleness_max"] = float(staleness)
-            metrics["async/inflight"] = float(self.idle.rollouts_started - clock.step + 1)
+            metrics["async/inflight"] = float(clock.inflight)
+            metrics["async/dropped"] = float(clock.dropped)
         self._log(step, metrics)
         self.events.emit("step", step, version=clock.version)
         if clock.step % loop.sync_interval == 0:
@@ -301,6 +316,7 @@ class _Session:
             step=self.clock.step,
             version=self.clock.version,
             data_cursor=self.clock.cursor,
+            trained_ahead=sorted(self.clock.trained_ahead),
             rng=checkpoint.capture_rng(),
             run_id=self.run_id,
             config_digest=self.config.digest(),

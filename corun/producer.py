@@ -1,17 +1,19 @@
-"""The rollout side of the template: a producer task that turns data indexes into
+"""The rollout side of the template: worker tasks that turn data indexes into
 batches, each started only when the clock admits it, and tagged with the weight
 version it was made with.
 
-Kept apart from loop.py because the async issues grow here (several workers on
-their own lanes, a reorder buffer for start-order consumption, requeueing dropped
-batches) while the train side stays one readable loop.
+Kept apart from loop.py so the train side stays one readable loop. Here live the
+parts that only async mode exercises: several workers on their own lanes, the
+reorder buffer of start-order consumption, and the queue of data indexes whose
+batches were dropped as too stale and must be generated again.
 """
 
 from __future__ import annotations
 
+import heapq
 import inspect
 import time
-from typing import Any
+from typing import Any, Literal
 
 import anyio.abc
 
@@ -21,15 +23,20 @@ from corun.data import Dataset
 from corun.events import Trace
 from corun.trainer import Batch, Trainer
 
+Order = Literal["start", "completion"]
+
 
 class Producer:
-    """Rollout workers (tasks, each with its own lane) that claim data indexes in order
-    and hand the batches on in that same order (start order), so the data cursor is
-    always a prefix: everything below it trained, nothing above it."""
+    """Rollout workers (tasks, each with its own lane) that claim data indexes in order.
+
+    ``order = "start"`` hands batches on in index order, whatever order the workers
+    finish in (deterministic; the cursor stays a prefix). ``"completion"`` hands each
+    on as soon as it is done (the trainer never waits behind a slow rollout).
+    """
 
     def __init__(
         self, trainer: Trainer[Any], dataset: Dataset, lanes: list[Lane], clock: Clock,
-        idle: IdleTimes, trace: Trace,
+        idle: IdleTimes, trace: Trace, order: Order, stop: int,
     ) -> None:  # fmt: skip
         self.trainer = trainer
         self.dataset = dataset
@@ -37,29 +44,34 @@ class Producer:
         self.clock = clock
         self.idle = idle
         self.trace = trace
+        self.order = order
+        self.stop = stop  # one past the last data index of the run
         # An async rollout (an engine behind I/O) runs on the loop, with no thread hop.
         self.rollout_is_async = inspect.iscoroutinefunction(trainer.rollout)
-        self._next_index = clock.cursor
-        self._next_to_send = clock.cursor
-        self._finished: dict[int, Batch] = {}  # done out of order, waiting for their turn
+        self._next_new = clock.cursor
+        self._requeued: list[int] = []  # heap: indexes to generate again, lowest first
+        self._unsent: list[int] = []  # heap: claimed indexes not yet handed on
+        self._finished: dict[int, Batch] = {}  # done, waiting for their turn (start order)
         self._send_lock = anyio.Lock()
+        self._work_added = anyio.Event()
 
-    async def run(self, send: anyio.abc.ObjectSendStream[Batch], stop: int) -> None:
-        """Produce the batches for data indexes from the clock's cursor up to ``stop``."""
+    async def run(self, send: anyio.abc.ObjectSendStream[Batch]) -> None:
+        """Produce batches until cancelled (the loop stops it once the budget is trained)."""
         async with send, anyio.create_task_group() as workers:
             for i, lane in enumerate(self.lanes):
                 track = "producer" if len(self.lanes) == 1 else f"producer-{i}"
-                workers.start_soon(self._work, lane, track, send, stop)
+                workers.start_soon(self._work, lane, track, send)
 
-    async def _work(
-        self, lane: Lane, track: str, send: anyio.abc.ObjectSendStream[Batch], stop: int
-    ) -> None:
-        while (index := self._next_index) < stop:
-            self._next_index += 1
-            waiting = time.monotonic()
-            await self.clock.admit(index)
+    def requeue(self, index: int) -> None:
+        """Generate ``index`` again: its batch was dropped."""
+        heapq.heappush(self._requeued, index)
+        self._work_added.set()
+        self._work_added = anyio.Event()
+
+    async def _work(self, lane: Lane, track: str, send: anyio.abc.ObjectSendStream[Batch]) -> None:
+        while True:
+            index = await self._claim()
             started = time.monotonic()
-            self.idle.generator_s += started - waiting
             self.idle.rollouts_started += 1
             version = self.clock.version_published
             with self.trace.span("rollout", track, index=index):
@@ -74,9 +86,53 @@ class Producer:
             batch.metrics = {**batch.metrics, "perf/rollout_time_s": time.monotonic() - started}
             self._finished[index] = batch
             async with self._send_lock:
-                while self._next_to_send in self._finished:
-                    await send.send(self._finished.pop(self._next_to_send))
-                    self._next_to_send += 1
+                for ready in self._ready():
+                    await send.send(ready)
+
+    async def _claim(self) -> int:
+        """The next data index to generate, once the clock admits a rollout for it.
+
+        Admission comes first and the claim right after it (no await between), so
+        indexes are claimed in slot order. With nothing left to claim the worker waits:
+        a dropped batch may still put its index back.
+        """
+        while True:
+            waiting = time.monotonic()
+            while not self._requeued and self._upcoming() >= self.stop:
+                await self._work_added.wait()
+            await self.clock.admit()
+            self.idle.generator_s += time.monotonic() - waiting
+            if self._requeued:
+                index = heapq.heappop(self._requeued)
+            elif (index := self._upcoming()) < self.stop:
+                self._next_new = index + 1
+            else:  # another worker took the last one while this one waited
+                self.clock.release()
+                continue
+            heapq.heappush(self._unsent, index)
+            return index
+
+    def _upcoming(self) -> int:
+        """The next never-claimed index, past those a resumed run trained already."""
+        index = self._next_new
+        while index in self.clock.trained_ahead:
+            index += 1
+        return index
+
+    def _ready(self) -> list[Batch]:
+        """Finished batches that may be handed on now, in order."""
+        ready = []
+        while self._unsent:
+            index = self._unsent[0] if self.order == "start" else self._first_finished()
+            if index not in self._finished:
+                break
+            self._unsent.remove(index)
+            heapq.heapify(self._unsent)
+            ready.append(self._finished.pop(index))
+        return ready
+
+    def _first_finished(self) -> int:
+        return next(iter(self._finished), -1)
 
     def _rollout_at(self, index: int) -> Any:
         return self.trainer.rollout(self.dataset.batch(index), index)

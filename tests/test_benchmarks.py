@@ -33,4 +33,4 @@ def test_pipeline_benchmark_quick() -> None:
     )  # fmt: skip
     assert result.returncode == 0, result.stderr[-2000:]
     rows = [line.split() for line in result.stdout.splitlines() if line.strip().endswith("%")]
-    assert {row[1] for row in rows} == {"sync", "async"}
+    assert {row[1] for row in rows} == {"sync", "start", "completion"}

@@ -455,6 +455,7 @@ def scored_round(round_index: int, kinds: list[str], width: int) -> Scored:
         response_mask=torch.ones(rows, width, dtype=torch.bool),
         logprobs=torch.full((rows, width), -1.0),
         truncated=torch.zeros(rows, dtype=torch.bool),
+        token_versions=torch.full((rows, width), round_index),
         version=round_index,
     )
     return Scored(rollouts, [f"p{int(tag)}" for tag in tags.repeat_interleave(GROUP)], rewards)

@@ -309,6 +309,42 @@ MOMENTS = {
     ),
 }
 
+# Async mode: three batches in flight on two rollout workers (their own threads).
+ASYNC = {"concurrency": 3, "workers": 2}
+MOMENTS |= {
+    # Both workers generating, nothing trained yet.
+    "async_rollout": Moment(
+        trainer={"slow_in": "rollout", "slow_s": 30.0},
+        tables={"loop": ASYNC},
+        wait=lambda run: run.wait_phase("rollout"),
+        complete=True,
+        checkpoint_step=None,
+    ),
+    "async_train_step": Moment(
+        trainer={"slow_in": "train", "slow_s": 0.25},
+        tables={"run": {"steps": 6}, "loop": ASYNC | {"save_interval": 1}},
+        wait=_wait_in_train_step_after_a_checkpoint,
+        complete=True,
+        checkpoint_step=1,
+    ),
+    # The first weight publish hangs while rollouts run ahead; the save on interrupt
+    # then writes the trained step 1.
+    "async_sync": Moment(
+        trainer={"slow_in": "sync", "slow_s": 30.0},
+        tables={"run": {"steps": 4}, "loop": ASYNC},
+        wait=lambda run: run.wait_phase("sync"),
+        complete=True,
+        checkpoint_step=1,
+    ),
+    "async_save": Moment(
+        trainer={"slow_in": "save", "slow_s": 1.0},
+        tables={"run": {"steps": 4}, "loop": ASYNC | {"save_interval": 1}},
+        wait=lambda run: run.wait_phase("save"),
+        complete=True,
+        checkpoint_step=1,
+    ),
+}
+
 CASES = [
     pytest.param("setup", signal.SIGINT, "asyncio", id="setup-SIGINT-asyncio"),
     pytest.param("baseline_eval", signal.SIGINT, "asyncio", id="baseline_eval-SIGINT-asyncio"),
@@ -318,6 +354,11 @@ CASES = [
     pytest.param("train_step", signal.SIGTERM, "asyncio", id="train_step-SIGTERM-asyncio"),
     pytest.param("train_step", signal.SIGINT, "trio", id="train_step-SIGINT-trio"),
     pytest.param("save", signal.SIGTERM, "trio", id="save-SIGTERM-trio"),
+    pytest.param("async_rollout", signal.SIGINT, "asyncio", id="async_rollout-SIGINT-asyncio"),
+    pytest.param("async_rollout", signal.SIGTERM, "trio", id="async_rollout-SIGTERM-trio"),
+    pytest.param("async_train_step", signal.SIGINT, "trio", id="async_train-SIGINT-trio"),
+    pytest.param("async_sync", signal.SIGINT, "asyncio", id="async_sync-SIGINT-asyncio"),
+    pytest.param("async_save", signal.SIGINT, "asyncio", id="async_save-SIGINT-asyncio"),
 ]
 
 
@@ -338,6 +379,10 @@ def test_signal_tears_down_in_order(
 
     names = [e["event"] for e in events]
     assert names[0] == "start"
+    moment = moment.removeprefix("async_")
+    if moment in ("rollout", "sync"):
+        assert "teardown:save" in names
+        assert max((e["step"] for e in events if e["event"] == "step"), default=0) <= 1
     if moment == "setup":
         assert "setup" not in names  # the trainer's setup never finished
     if moment == "baseline_eval":

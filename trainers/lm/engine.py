@@ -3,13 +3,19 @@
 The engine holds a copy of the policy that only ``update_weights`` replaces, so it
 never reads weights while the trainer is changing them (the same contract a vLLM or
 SGLang server has behind its weight-update endpoint). It samples ``n`` responses
-per prompt with temperature and top-p, records each token's behaviour log-prob, and
-stops at EOS or ``max_new_tokens``.
+per prompt with temperature and top-p, records each token's behaviour log-prob and
+the weight version that produced it, and stops at EOS or ``max_new_tokens``.
+
+What happens to a generation in flight when newer weights are published is the
+engine's capability, chosen by the caller: it finishes on the weights it started
+with ("drain"), or takes the new weights between two decode steps and continues from
+the prefix ("interrupt": a partial rollout whose tokens carry different versions).
 """
 
 from __future__ import annotations
 
 import copy
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -29,7 +35,8 @@ class Rollouts:
     response_mask: Tensor  # (N, T) bool: generated tokens, EOS included
     logprobs: Tensor  # (N, T) behaviour log-probs, 0 on padding
     truncated: Tensor  # (N,) bool: hit max_new_tokens without an EOS
-    version: int  # weight version that generated them
+    token_versions: Tensor  # (N, T) weight version that produced each token
+    version: int  # the oldest of those: what the batch's staleness is counted from
 
     @property
     def sequences(self) -> Tensor:
@@ -38,7 +45,7 @@ class Rollouts:
     def select(self, rows: Tensor) -> Rollouts:
         return Rollouts(
             self.prompt_ids[rows], self.response_ids[rows], self.response_mask[rows],
-            self.logprobs[rows], self.truncated[rows], self.version,
+            self.logprobs[rows], self.truncated[rows], self.token_versions[rows], self.version,
         )  # fmt: skip
 
     @staticmethod
@@ -50,6 +57,7 @@ class Rollouts:
             torch.cat([_pad(p.response_mask, width, False) for p in parts]),
             torch.cat([_pad(p.logprobs, width, 0.0) for p in parts]),
             torch.cat([p.truncated for p in parts]),
+            torch.cat([_pad(p.token_versions, width, p.version) for p in parts]),
             min(p.version for p in parts),
         )
 
@@ -78,21 +86,34 @@ class LocalEngine:
         temperature: float,
         top_p: float = 1.0,
         generator: torch.Generator | None = None,
+        newer_weights: Callable[[], tuple[int, dict[str, Tensor]]] | None = None,
     ) -> Rollouts:
+        """Sample; with ``newer_weights`` (interrupt mode) the engine asks it for the
+        latest published (version, weights) between decode steps and switches to them."""
         prompts = prompt_ids.repeat_interleave(n, dim=0)
+
+        def weights_version() -> int:
+            if newer_weights is not None:
+                version, state = newer_weights()
+                if version != self.version:
+                    self.update_weights(state, version)
+            return self.version
+
         out = decode(
             self.model, prompts, max_new_tokens, stop_id=EOS, temperature=temperature,
-            top_p=top_p, generator=generator,
+            top_p=top_p, generator=generator, weights_version=weights_version,
         )  # fmt: skip
         is_eos = out.tokens == EOS
         # A token counts up to and including the first EOS.
         eos_before = (is_eos.cumsum(dim=1) - is_eos.long()) > 0
         mask = ~eos_before
+        token_versions = out.versions.expand_as(out.tokens).masked_fill(~mask, out.versions[-1])
         return Rollouts(
             prompt_ids=prompts,
             response_ids=out.tokens.masked_fill(~mask, PAD),
             response_mask=mask,
             logprobs=out.logprobs.masked_fill(~mask, 0.0),
             truncated=~is_eos.any(dim=1),
-            version=self.version,
+            token_versions=token_versions,
+            version=int(out.versions[0]),
         )

@@ -11,6 +11,7 @@ prefix is a dozen tokens and the simpler code wins.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Annotated, NamedTuple
 
 import msgspec
@@ -117,6 +118,7 @@ class TinyLM(nn.Module):
 class Decoded(NamedTuple):
     tokens: Tensor  # (batch, n) new ids; after a row's stop_id, stop_id again
     logprobs: Tensor  # (batch, n) log-prob of each token under the sampling distribution
+    versions: Tensor  # (n,) weight version that produced each position's tokens
 
 
 @torch.no_grad()
@@ -129,6 +131,7 @@ def decode(
     temperature: float = 0.0,
     top_p: float = 1.0,
     generator: torch.Generator | None = None,
+    weights_version: Callable[[], int] = lambda: 0,
 ) -> Decoded:
     """Batched decoding of equal-length prompts: greedy, or sampled with top-p.
 
@@ -137,6 +140,10 @@ def decode(
     log-probs are under the full temperature-scaled distribution. A row that
     has emitted ``stop_id`` keeps emitting it, and decoding ends early once every row
     has stopped. Between decode steps :func:`cancel_point` lets a cancelled run stop.
+
+    ``weights_version`` is asked before each step which weights produce its tokens; it
+    may load newer ones into ``model`` first (a partial rollout: the prefix so far is
+    continued by the new weights), since every step reruns the whole sequence.
     """
     batch, length = prompt_ids.shape
     if length + max_new_tokens - 1 > model.config.max_len:
@@ -148,9 +155,11 @@ def decode(
     done = torch.zeros(batch, dtype=torch.bool, device=prompt_ids.device)
     tokens: list[Tensor] = []
     logprobs: list[Tensor] = []
+    versions: list[int] = []
     for step in range(max_new_tokens):
         if step:
             cancel_point()
+        versions.append(weights_version())
         logits = model(ids)[:, -1]
         if temperature > 0:
             # Sample from the nucleus, but record log-probs under the full tempered
@@ -169,7 +178,7 @@ def decode(
         if bool(done.all()):
             break
         ids = torch.cat([ids, token[:, None]], dim=1)
-    return Decoded(torch.stack(tokens, dim=1), torch.stack(logprobs, dim=1))
+    return Decoded(torch.stack(tokens, dim=1), torch.stack(logprobs, dim=1), torch.tensor(versions))
 
 
 def top_p_log_probs(logits: Tensor, top_p: float) -> Tensor:

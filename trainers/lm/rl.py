@@ -71,6 +71,10 @@ class RLConfig(LMTrainerConfig, frozen=True, forbid_unknown_fields=True, kw_only
     # this batch's updates and weighs tokens by π_prox/π_behaviour, capped.
     off_policy_correction: Literal["none", "decoupled"] = "none"
     importance_cap: Annotated[float, msgspec.Meta(ge=1)] = 2.0
+    # A generation in flight when new weights are published (concurrency > 1):
+    # "drain" finishes it on the weights it started with; "interrupt" switches to the
+    # new weights between decode steps and continues from the prefix (partial rollout).
+    inflight_at_sync: Literal["drain", "interrupt"] = "drain"
     grad_clip: NonNegativeFloat = 1.0
     eval_size: PositiveInt = 512
 
@@ -143,9 +147,11 @@ class LMPolicyTrainer(Trainer[C]):
         """Sample ``samples_per_prompt`` responses per prompt and score them."""
         cfg, n = self.config, self.config.samples_per_prompt
         started = time.monotonic()
-        rollouts = self._rollout_engine().generate(
+        engine = self._rollout_engine()
+        interrupt = cfg.inflight_at_sync == "interrupt" and engine is not self.engine
+        rollouts = engine.generate(
             encode_prompts([p for p, _ in examples]), n, self.max_new_tokens, cfg.temperature,
-            cfg.top_p,
+            cfg.top_p, newer_weights=(lambda: self._published) if interrupt else None,
         )  # fmt: skip
         generated = time.monotonic()
         responses = decode_responses(rollouts.response_ids)
@@ -163,6 +169,8 @@ class LMPolicyTrainer(Trainer[C]):
             "rollout/reward_std": float(rewards.std()) if rewards.numel() > 1 else 0.0,
             "rollout/response_len_mean": float(lengths.mean()),
             "rollout/truncated_ratio": float(rollouts.truncated.float().mean()),
+            # Responses continued by newer weights part-way (interrupt mode).
+            "rollout/partial_ratio": float(_spans_versions(rollouts).float().mean()),
             "perf/generate_time_s": generated - started,
             "perf/reward_time_s": time.monotonic() - generated,
         }
@@ -278,6 +286,11 @@ class LMPolicyTrainer(Trainer[C]):
         load_policy_state(state, self.policy, self.optimizer, self.config.task)
         for name, module in self.extra_modules.items():
             module.load_state_dict(state["extra"][name])
+
+
+def _spans_versions(rollouts: Rollouts) -> Tensor:
+    versions = rollouts.token_versions.masked_fill(~rollouts.response_mask, rollouts.version)
+    return versions.amax(dim=1) > versions.amin(dim=1)
 
 
 def _cloned(state: dict[str, Tensor]) -> dict[str, Tensor]:
