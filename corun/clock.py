@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
+from typing import Any
 
 import anyio
 
@@ -27,9 +28,10 @@ from corun.config import LoopConfig
 @dataclass
 class Clock:
     concurrency: int
-    max_staleness: int
-    step: int = 0  # optimizer steps trained
-    version: int = 0  # weight version; one update per step, so == step
+    max_staleness: int  # in versions
+    accumulate: int = 1  # steps per version (optimizer update)
+    step: int = 0  # steps trained (rollout batches consumed)
+    version: int = 0  # weight version: optimizer updates applied, step // accumulate
     published: int = 0  # version the rollout engine holds
     cursor: int = 0  # lowest data index not yet trained
     trained_ahead: set[int] = field(default_factory=set)  # trained indexes above it
@@ -45,6 +47,7 @@ class Clock:
         return cls(
             concurrency=loop.concurrency,
             max_staleness=loop.staleness_bound,
+            accumulate=loop.accumulate,
             step=step,
             version=version,
             published=version,
@@ -60,7 +63,7 @@ class Clock:
 
     def admissible(self) -> bool:
         ahead = self.slots - self.done
-        staleness = self.slots - self.published
+        staleness = self.slots // self.accumulate - self.published  # version it trains at
         return ahead < self.concurrency and staleness <= self.max_staleness
 
     async def admit(self) -> None:
@@ -76,7 +79,7 @@ class Clock:
 
     def is_stale(self, version: int) -> bool:
         """Whether a batch made with ``version`` is over the bound if trained now."""
-        return self.step - version > self.max_staleness
+        return self.version - version > self.max_staleness
 
     def drop(self) -> None:
         """A batch was over the bound: its slot is free for the rollout that redoes it."""
@@ -85,11 +88,21 @@ class Clock:
 
     def trained(self, index: int) -> None:
         self.step += 1
-        self.version += 1
+        if self.step % self.accumulate == 0:
+            self.version += 1
         self.trained_ahead.add(index)
         while self.cursor in self.trained_ahead:
             self.trained_ahead.remove(self.cursor)
             self.cursor += 1
+
+    def position(self, rng: Any) -> Position:
+        """Where training stands now, with the RNG state to resume it from."""
+        return Position(self.step, self.version, self.cursor, frozenset(self.trained_ahead), rng)
+
+    def rewind(self, position: Position) -> None:
+        """Back to ``position`` (teardown only: a save-on-interrupt in mid-window)."""
+        self.step, self.version, self.cursor = position.step, position.version, position.cursor
+        self.trained_ahead = set(position.trained_ahead)
 
     @property
     def inflight(self) -> int:
@@ -107,6 +120,15 @@ class Clock:
     def _notify(self) -> None:
         self._changed.set()
         self._changed = anyio.Event()
+
+
+@dataclass(frozen=True)
+class Position:
+    step: int
+    version: int
+    cursor: int
+    trained_ahead: frozenset[int]
+    rng: Any
 
 
 @dataclass

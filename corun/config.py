@@ -47,8 +47,14 @@ class LoopConfig(Section, frozen=True, forbid_unknown_fields=True, kw_only=True)
     # A batch made with weights more than this many versions old is never trained on.
     # Unset: (concurrency - 1) + (sync_interval - 1), the lag the pipeline has anyway.
     max_staleness: NonNegativeInt | None = None
-    # Optimizer steps per weight publish to the rollout engine.
-    sync_interval: PositiveInt = 1
+    # Steps per weight publish to the rollout engine; unset: every update (every
+    # `accumulate` steps).
+    sync_interval: PositiveInt | None = None
+    # Rollout batches (steps) per optimizer update: a window of this many train_step
+    # calls accumulates gradients and the last one applies them. Sync, eval and save
+    # intervals and run.steps must then be multiples of it (weights change only at
+    # window ends). Counts of versions (max_staleness) are in optimizer updates.
+    accumulate: PositiveInt = 1
     # Rollout workers, each on its own compute lane, when concurrency > 1 (at
     # concurrency 1 rollouts share the train lane: generate and train never overlap).
     workers: PositiveInt = 1
@@ -72,12 +78,20 @@ class LoopConfig(Section, frozen=True, forbid_unknown_fields=True, kw_only=True)
     compute: Literal["thread", "inline"] = "thread"
 
     def __post_init__(self) -> None:
-        if self.max_staleness is not None and self.max_staleness < self.sync_interval - 1:
-            # Between two publishes the engine lags up to sync_interval - 1 versions; a
+        for name in ("sync_interval", "eval_interval", "save_interval"):
+            if (getattr(self, name) or 0) % self.accumulate:
+                raise ValueError(
+                    f"`{name}` = {getattr(self, name)} is not a multiple of `accumulate` = "
+                    f"{self.accumulate}: weights change only at the end of a window"
+                )
+        lag = self.sync_every // self.accumulate - 1
+        if self.max_staleness is not None and self.max_staleness < lag:
+            # Between two publishes the engine lags up to this many versions; a
             # tighter bound would admit no rollout and the run would wait forever.
             raise ValueError(
-                f"`max_staleness` = {self.max_staleness} is below `sync_interval` - 1 = "
-                f"{self.sync_interval - 1}, so no rollout could ever be admitted"
+                f"`max_staleness` = {self.max_staleness} is below the {lag} versions the "
+                "engine lags between publishes (`sync_interval` / `accumulate` - 1), so no "
+                "rollout could ever be admitted"
             )
 
         if self.workers > self.concurrency:
@@ -85,19 +99,25 @@ class LoopConfig(Section, frozen=True, forbid_unknown_fields=True, kw_only=True)
                 f"`workers` = {self.workers} exceeds `concurrency` = {self.concurrency}: no more "
                 "than concurrency batches are ever in flight"
             )
-        if self.save_interval and self.save_interval % self.sync_interval:
+        if self.save_interval and self.save_interval % self.sync_every:
             # A checkpoint between two publishes cannot hold the weights the engine is
             # sampling with; resuming from it would republish newer ones.
             raise ValueError(
                 f"`save_interval` = {self.save_interval} is not a multiple of `sync_interval` = "
-                f"{self.sync_interval}: periodic checkpoints must fall on weight publishes"
+                f"{self.sync_every}: periodic checkpoints must fall on weight publishes"
             )
 
     @property
     def staleness_bound(self) -> int:
+        """In optimizer updates (versions): by default the lag the pipeline has anyway."""
         if self.max_staleness is not None:
             return self.max_staleness
-        return (self.concurrency - 1) + (self.sync_interval - 1)
+        ahead = -(-(self.concurrency - 1) // self.accumulate)  # windows the queue spans
+        return ahead + self.sync_every // self.accumulate - 1
+
+    @property
+    def sync_every(self) -> int:
+        return self.sync_interval or self.accumulate
 
 
 class CheckpointConfig(Section, frozen=True, forbid_unknown_fields=True, kw_only=True):
@@ -200,6 +220,19 @@ def config_from_dict(
         config = msgspec.convert({**raw, "trainer": {"kind": trainer_raw["kind"]}}, Config)
     except msgspec.ValidationError as exc:
         raise fail(exc) from None
+    accumulate = config.loop.accumulate
+    if config.run.steps % accumulate:
+        raise ConfigError(
+            f"{source}: `$.run.steps` = {config.run.steps} is not a multiple of "
+            f"`loop.accumulate` = {accumulate}: a run ends at the end of a window"
+            + _override_for("`$.run.steps`", overrides)
+        )
+    if accumulate > 1 and not trainer_cls.accumulates:
+        raise ConfigError(
+            f"{source}: `$.loop.accumulate` = {accumulate}: trainer {trainer_raw['kind']!r} "
+            "applies an update every step and cannot accumulate windows"
+            + _override_for("`$.loop.accumulate`", overrides)
+        )
     return msgspec.structs.replace(config, trainer=trainer_config)
 
 

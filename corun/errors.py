@@ -6,6 +6,10 @@ into exit status 2 without a traceback. Anything else raised by a trainer is a
 training error (exit status 1).
 """
 
+from __future__ import annotations
+
+import anyio
+
 
 class UsageError(Exception):
     """A mistake in what the user gave corun; the message is one line naming the place."""
@@ -21,3 +25,19 @@ class DataError(UsageError):
 
 class CheckpointError(UsageError):
     pass
+
+
+def is_cancellation(exc: BaseException) -> bool:
+    if isinstance(exc, BaseExceptionGroup):
+        return all(is_cancellation(e) for e in exc.exceptions)
+    return isinstance(exc, anyio.get_cancelled_exc_class())
+
+
+def first_error(exc: BaseException) -> BaseException:
+    """The first real error inside (possibly nested) exception groups."""
+    if isinstance(exc, BaseExceptionGroup):
+        for inner in exc.exceptions:
+            if not is_cancellation(inner):
+                return first_error(inner)
+        return exc.exceptions[0]
+    return exc

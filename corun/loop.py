@@ -31,7 +31,7 @@ from corun import checkpoint, pipeline
 from corun.clock import Clock, IdleTimes
 from corun.compute import Lane, call_hook
 from corun.config import Config, load_config
-from corun.errors import CheckpointError
+from corun.errors import CheckpointError, first_error, is_cancellation
 from corun.events import EventLog, Trace
 from corun.producer import Producer
 from corun.reporting import Reporter
@@ -105,6 +105,7 @@ class _Session:
         self.reporter: Reporter | None = None
         self.last_saved = self.clock.step if restored else -1
         self.boundary_rng = checkpoint.capture_rng_raw()
+        self.window_start = self.clock.position(self.boundary_rng)
         self.writer = CheckpointWriter(
             self.run_dir, config.checkpoint.keep, self.events, self.trace, control,
             lambda fn, *args: _blocking(config, fn, *args),
@@ -135,7 +136,7 @@ class _Session:
             self.trace.close()
             self._end(self.outcome)
         if failure is not None:
-            raise _first_error(failure)
+            raise first_error(failure)
         if teardown_error is not None:
             raise teardown_error
         assert self.outcome is not None
@@ -255,7 +256,8 @@ class _Session:
     async def _train_one(self, batch: Batch) -> None:
         clock, loop = self.clock, self.config.loop
         started = time.monotonic()
-        staleness = clock.step - batch.version
+        staleness = clock.version - batch.version
+        batch.window_pos, batch.window_size = clock.step % loop.accumulate, loop.accumulate
         with self.trace.span("train", "trainer", step=clock.step + 1):
             metrics = dict(await call_hook(self.train_lane, self.trainer.train_step, batch))
         # The update has been applied: record it before any further await, so a
@@ -272,13 +274,15 @@ class _Session:
             metrics["async/dropped"] = float(clock.dropped)
         self._log(step, metrics)
         self.events.emit("step", step, version=clock.version)
-        if clock.step % loop.sync_interval == 0:
+        if clock.step % loop.sync_every == 0:
             await self._sync()
         if loop.eval_interval and (step % loop.eval_interval == 0 or step == self.config.run.steps):
             await self._evaluate("eval", self.trainer.evaluate_periodic, step)
         if (loop.save_interval and step % loop.save_interval == 0) or step == self.config.run.steps:
             await self._save()
         self.boundary_rng = checkpoint.capture_rng_raw()
+        if step % loop.accumulate == 0:
+            self.window_start = clock.position(self.boundary_rng)
         clock.completed()
 
     async def _sync(self, forced: bool = False) -> None:
@@ -337,6 +341,12 @@ class _Session:
             # Rollouts after the last completed step consumed RNG: save the state
             # captured at that step's boundary, so resuming replays them exactly.
             rng_now = checkpoint.capture_rng_raw()
+            if self.clock.step % self.config.loop.accumulate:
+                # Mid-window: the weights are those of the window's start; so is the save.
+                self.clock.rewind(self.window_start)
+                self.boundary_rng = self.window_start.rng
+                if self.clock.step <= max(self.last_saved, 0):
+                    return
             checkpoint.restore_rng_raw(self.boundary_rng)
             try:
                 await self._save()
@@ -358,8 +368,8 @@ class _Session:
         step = self.clock.step
         if failure is None and not self.control.stopped:
             return Outcome("done", step)
-        if failure is not None and not _is_cancellation(failure):
-            return Outcome("error", step, error=_first_error(failure))
+        if failure is not None and not is_cancellation(failure):
+            return Outcome("error", step, error=first_error(failure))
         if self.control.stopped and self.control.reason != "error":
             return Outcome("interrupted", step, signal=self.control.signal)
         return Outcome("cancelled", step)
@@ -384,19 +394,3 @@ def seed_everything(seed: int) -> None:
     random.seed(seed)
     np.random.seed(seed % 2**32)
     torch.manual_seed(seed)
-
-
-def _is_cancellation(exc: BaseException) -> bool:
-    if isinstance(exc, BaseExceptionGroup):
-        return all(_is_cancellation(e) for e in exc.exceptions)
-    return isinstance(exc, anyio.get_cancelled_exc_class())
-
-
-def _first_error(exc: BaseException) -> BaseException:
-    """The first real error inside (possibly nested) exception groups."""
-    if isinstance(exc, BaseExceptionGroup):
-        for inner in exc.exceptions:
-            if not _is_cancellation(inner):
-                return _first_error(inner)
-        return exc.exceptions[0]
-    return exc

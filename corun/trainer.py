@@ -33,12 +33,20 @@ ENTRY_POINT_GROUP = "corun.trainers"
 
 @dataclass
 class Batch:
-    """One rollout batch. The runtime fills ``version`` (weights it was made with) and ``step``."""
+    """One rollout batch. The runtime fills ``version`` (weights it was made with),
+    ``step`` (its data index) and, with ``loop.accumulate``, its place in the window."""
 
     data: Any
     metrics: Mapping[str, float] = field(default_factory=dict)
     version: int = -1
     step: int = -1
+    window_pos: int = 0  # 0 .. window_size - 1: which train_step of the window this is
+    window_size: int = 1
+
+    @property
+    def ends_window(self) -> bool:
+        """Whether ``train_step`` on this batch applies the accumulated update."""
+        return self.window_pos == self.window_size - 1
 
 
 @dataclass(frozen=True)
@@ -84,6 +92,9 @@ class Trainer(Generic[C]):
     """Base class of every trainer. ``Config`` is the trainer's own settings Struct."""
 
     Config: ClassVar[type[TrainerConfig]] = TrainerConfig
+    # Whether train_step honours Batch.window_pos/window_size (loop.accumulate > 1):
+    # backward on every batch, the optimizer update only on the window's last.
+    accumulates: ClassVar[bool] = False
 
     def __init__(self, config: CorunConfig) -> None:
         self.run_config = config
@@ -107,7 +118,9 @@ class Trainer(Generic[C]):
         return inputs
 
     def train_step(self, batch: Batch) -> Metrics | Awaitable[Metrics]:
-        """One optimizer update on ``batch``; returns metrics such as ``train/loss``."""
+        """One optimizer update on ``batch`` (with ``loop.accumulate``, one window's
+        share of it; the update is applied when ``batch.ends_window``); returns metrics
+        such as ``train/loss``."""
         return {}
 
     def sync_weights(self, version: int) -> Awaitable[None] | None:

@@ -39,6 +39,7 @@ class LatencyTrainer(corun.Trainer[LatencyConfig]):
     """Does nothing but wait; records what admission let happen."""
 
     Config = LatencyConfig
+    accumulates = True  # waits the same whether or not a step ends a window
 
     def setup(self, ctx: corun.SetupContext) -> None:
         self.trained = 0
@@ -47,6 +48,7 @@ class LatencyTrainer(corun.Trainer[LatencyConfig]):
         self.window: list[int] = []
         self.trained_indexes: list[int] = []
         self.rollout_indexes: list[int] = []
+        self.windows: list[tuple[int, int]] = []
 
     async def rollout(self, inputs: Any, step: int) -> corun.Batch:
         self.started += 1
@@ -58,7 +60,9 @@ class LatencyTrainer(corun.Trainer[LatencyConfig]):
         return corun.Batch(inputs)
 
     async def train_step(self, batch: corun.Batch) -> dict[str, float]:
-        self.staleness.append(self.trained - batch.version)
+        version = self.trained // self.run_config.loop.accumulate
+        self.windows.append((batch.window_pos, batch.window_size))
+        self.staleness.append(version - batch.version)
         await anyio.sleep(self.config.train_s[batch.step % len(self.config.train_s)])
         if self.config.fail_in == "train" and batch.step == self.config.fail_at:
             raise LatencyError(f"train {batch.step}")
@@ -98,15 +102,18 @@ def run_virtual(run_dir: Path, trainer_table: dict[str, Any], **sections: Any) -
     concurrency=st.integers(1, 4),
     sync_interval=st.integers(1, 3),
     extra_staleness=st.integers(0, 3),
-    steps=st.integers(1, 12),
+    windows=st.integers(1, 12),
     workers=st.integers(1, 4),
     order=st.sampled_from(["start", "completion"]),
+    accumulate=st.sampled_from([1, 1, 2, 3]),
 )
 def test_staleness_and_window_bounds_hold(
     rollout_s: list[float], train_s: list[float], concurrency: int, sync_interval: int,
-    extra_staleness: int, steps: int, workers: int, order: str,
+    extra_staleness: int, windows: int, workers: int, order: str, accumulate: int,
 ) -> None:  # fmt: skip
-    max_staleness = sync_interval - 1 + extra_staleness
+    sync_interval *= accumulate
+    steps = windows * accumulate
+    max_staleness = sync_interval // accumulate - 1 + extra_staleness
     workers = min(workers, concurrency)
     with tempfile.TemporaryDirectory() as run_dir:
         trainer, outcome = run_virtual(
@@ -116,6 +123,7 @@ def test_staleness_and_window_bounds_hold(
             run={"steps": steps},
             loop={"concurrency": concurrency, "sync_interval": sync_interval,
                   "max_staleness": max_staleness, "baseline_eval": False, "workers": workers,
+                  "accumulate": accumulate,
                   "order": order, "compute": "inline"},  # no threads: virtual time sees every wait
         )  # fmt: skip
         records = [r for r in read_jsonl(Path(run_dir) / "metrics.jsonl") if "step" in r]
@@ -130,6 +138,7 @@ def test_staleness_and_window_bounds_hold(
             assert record["async/staleness_max"] <= max_staleness
     assert outcome.reason == "done" and trainer.trained == steps
     assert max(trainer.staleness) <= max_staleness
+    assert trainer.windows == [(i % accumulate, accumulate) for i in range(steps)]
     if order == "start":
         # Nothing overtakes in start order, so nothing is dropped and the window holds
         # for every rollout; batches train in index order even when workers finish

@@ -126,6 +126,19 @@ CONFIG_CASES = [
         ["`$.trainer.kind`", "no_such_mod"],
     ),
     ("not-a-trainer", "", ["trainer.kind=corun.config:Config"], ["`$.trainer.kind`"]),
+    (
+        "eval-interval-off-window",
+        "",
+        ["loop.accumulate=2", "loop.eval_interval=3"],
+        ["`$.loop`", "eval_interval", "accumulate"],
+    ),
+    ("steps-off-window", "", ["loop.accumulate=2", "run.steps=3"], ["`$.run.steps`"]),
+    (
+        "accumulate-unsupported",
+        "",
+        ["loop.accumulate=2", "run.steps=4"],
+        ["`$.loop.accumulate`", "cannot accumulate"],
+    ),
 ]
 
 
