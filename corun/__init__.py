@@ -5,14 +5,23 @@ structured concurrency (asyncio or trio); ``corun train config.toml`` does the s
 from a terminal with signals and exit codes.
 """
 
+from corun.checkpoint import seed_everything
 from corun.compute import Lane, cancel_point
 from corun.config import Config, TrainerConfig, config_from_dict, load_config
 from corun.data import Dataset, ShuffledBatches, read_jsonl
 from corun.errors import CheckpointError, ConfigError, DataError, UsageError
-from corun.loop import run, seed_everything
+from corun.loop import run
 from corun.procs import ChildProcess
 from corun.teardown import RunControl
-from corun.trainer import Batch, Metrics, Outcome, SetupContext, Trainer, resolve_trainer
+from corun.trainer import (
+    Batch,
+    Image,
+    Metrics,
+    Outcome,
+    SetupContext,
+    Trainer,
+    resolve_trainer,
+)
 
 __version__ = "0.1.0"
 
@@ -24,6 +33,7 @@ __all__ = [
     "ConfigError",
     "DataError",
     "Dataset",
+    "Image",
     "Lane",
     "Metrics",
     "Outcome",

@@ -51,6 +51,13 @@ class TrainerState(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     trained_ahead: list[int] = []
 
 
+def seed_everything(seed: int) -> None:
+    """Seed python's, numpy's and torch's global RNGs, as ``run`` does before set-up."""
+    random.seed(seed)
+    np.random.seed(seed % 2**32)
+    torch.manual_seed(seed)
+
+
 def capture_rng() -> RngState:
     version, internal, gauss = random.getstate()
     name, keys, pos, has_gauss, cached = np.random.get_state(legacy=True)  # type: ignore[misc]

@@ -68,7 +68,7 @@ class MetricsLog(_LineFile):
             _truncate_after(path, keep_up_to_step)
         super().__init__(path)
 
-    def log(self, step: int, metrics: Mapping[str, float]) -> None:
+    def log(self, step: int, metrics: Mapping[str, float | str]) -> None:
         self.write({"step": step, **metrics})
 
 

@@ -24,8 +24,6 @@ from typing import Any, TypeVar
 
 import anyio
 import anyio.to_thread
-import numpy as np
-import torch
 
 from corun import checkpoint, pipeline
 from corun.clock import Clock, IdleTimes
@@ -36,7 +34,15 @@ from corun.events import EventLog, Trace
 from corun.producer import Producer
 from corun.reporting import Reporter
 from corun.teardown import RunControl, Teardown
-from corun.trainer import Batch, Outcome, SetupContext, Trainer, overrides, resolve_trainer
+from corun.trainer import (
+    Batch,
+    Image,
+    Outcome,
+    SetupContext,
+    Trainer,
+    overrides,
+    resolve_trainer,
+)
 from corun.writer import CheckpointWriter
 
 T = TypeVar("T")
@@ -167,7 +173,7 @@ class _Session:
             await self._prerequisite(Path(prerequisite))
         self.reporter = Reporter(config, self.run_dir, self.clock.step if self.restored else 0)
         self.teardown.push("logging", self._close_logging)
-        seed_everything(config.run.seed)
+        checkpoint.seed_everything(config.run.seed)
         ctx = SetupContext(config, register=self.teardown.push)
         with self.trace.span("setup", "trainer"):
             await call_hook(self.train_lane, trainer.setup, ctx)
@@ -305,7 +311,7 @@ class _Session:
         self._log(self.clock.step, metrics)
         self.events.emit(event, self.clock.step)
 
-    def _log(self, step: int, metrics: Mapping[str, float]) -> None:
+    def _log(self, step: int, metrics: Mapping[str, float | Image]) -> None:
         assert self.reporter is not None
         self.reporter.log(step, metrics)
 
@@ -385,12 +391,3 @@ async def _blocking(config: Config, fn: Callable[..., T], *args: Any) -> T:
     if config.loop.compute == "inline":
         return fn(*args)
     return await anyio.to_thread.run_sync(fn, *args)
-
-
-def seed_everything(seed: int) -> None:
-    """Seed python's, numpy's and torch's global RNGs, as ``run`` does before set-up."""
-    import random
-
-    random.seed(seed)
-    np.random.seed(seed % 2**32)
-    torch.manual_seed(seed)

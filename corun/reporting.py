@@ -15,6 +15,7 @@ from typing import Any
 
 from corun.config import Config
 from corun.events import MetricsLog
+from corun.trainer import Image
 
 # What the progress line shows, in this order, when a trainer logs it.
 _HEADLINE = ("train/loss", "rollout/reward_mean", "eval/accuracy", "eval/reward", "eval/loss")
@@ -116,11 +117,16 @@ class Reporter:
             config={**msgspec.to_builtins(self.config), **extra},
         )
 
-    def log(self, step: int, metrics: Mapping[str, float]) -> None:
-        self.metrics.log(step, metrics)
+    def log(self, step: int, metrics: Mapping[str, float | Image]) -> None:
+        numbers = {k: v for k, v in metrics.items() if not isinstance(v, Image)}
+        images = {k: v for k, v in metrics.items() if isinstance(v, Image)}
+        self.metrics.log(step, numbers | {k: str(v.path) for k, v in images.items()})
         if self._wandb is not None:
-            self._wandb.log(dict(metrics), step=step)
-        self.progress.update(step, metrics)
+            import wandb
+
+            pictures = {k: wandb.Image(str(v.path), caption=v.caption) for k, v in images.items()}
+            self._wandb.log(numbers | pictures, step=step)
+        self.progress.update(step, numbers)
 
     def close(self) -> None:
         """Flush and close every sink; each is attempted even if another fails."""

@@ -25,7 +25,7 @@ from corun.config import TrainerConfig
 from corun.data import Dataset, IndexData
 from corun.errors import ConfigError
 
-Metrics = Mapping[str, float]
+Metrics = Mapping[str, "float | Image"]  # numbers, and images such as sample grids
 C = TypeVar("C", bound=TrainerConfig)
 
 ENTRY_POINT_GROUP = "corun.trainers"
@@ -47,6 +47,15 @@ class Batch:
     def ends_window(self) -> bool:
         """Whether ``train_step`` on this batch applies the accumulated update."""
         return self.window_pos == self.window_size - 1
+
+
+@dataclass(frozen=True)
+class Image:
+    """An image file as a metric value (e.g. an eval's sample grid): metrics.jsonl
+    records its path, wandb (when on) logs the picture."""
+
+    path: Path
+    caption: str = ""
 
 
 @dataclass(frozen=True)
