@@ -33,7 +33,7 @@ async def test_grpo_with_rollout_workers(tmp_path: Path) -> None:
     with anyio.fail_after(120):
         outcome = await corun.run(trainer, config)
     assert outcome.reason == "done" and outcome.step == 8
-    assert len(trainer._replicas) == 2  # one engine replica per rollout worker thread
+    assert len(trainer.replicas) == 2  # one engine replica per rollout worker thread
     steps = [r for r in read_jsonl(tmp_path / "run" / "metrics.jsonl") if "train/loss" in r]
     assert [r["step"] for r in steps] == list(range(1, 9))
     assert all(0 <= r["async/staleness_max"] <= 2 for r in steps)

@@ -16,6 +16,7 @@ import torch.nn.functional as F
 from corun.compute import cancel_point
 from corun.data import Dataset, ShuffledBatches, read_jsonl
 from corun.trainer import Batch, SetupContext, Trainer
+from trainers.common import apply_update
 from trainers.lm.policy import (
     HeldOutEval,
     build_policy,
@@ -105,14 +106,8 @@ class SFTTrainer(Trainer[SFTConfig]):
             chunk_loss = masked_loss_sum(self.model(chunk.inputs), chunk) / num_tokens
             chunk_loss.backward()
             loss_sum += chunk_loss.item()
-        params = list(self.model.parameters())
-        if self.config.grad_clip > 0:
-            grad_norm = torch.nn.utils.clip_grad_norm_(params, self.config.grad_clip)
-        else:
-            grads = [p.grad for p in params if p.grad is not None]
-            grad_norm = torch.nn.utils.get_total_norm(grads)
-        self.optimizer.step()
-        return {"train/loss": loss_sum, "train/grad_norm": float(grad_norm)}
+        grad_norm = apply_update(self.model.parameters(), self.optimizer, self.config.grad_clip)
+        return {"train/loss": loss_sum, "train/grad_norm": grad_norm}
 
     @torch.no_grad()
     def evaluate(self) -> dict[str, float]:

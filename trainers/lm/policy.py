@@ -10,8 +10,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from corun import checkpoint, pipeline
 from corun.errors import CheckpointError
+from trainers.common import rebuild, warm_start
 from trainers.lm.model import ModelConfig, TinyLM
 from trainers.lm.tasks import EOS, MAX_LEN, VOCAB_SIZE, Task, decode_responses, encode_prompts
 
@@ -27,23 +27,12 @@ def build_policy(d_model: int, n_layers: int, n_heads: int) -> TinyLM:
 
 def load_policy(state: dict[str, Any]) -> TinyLM:
     """Rebuild the TinyLM of a trainer ``state_dict()`` (``model_config`` + ``model``)."""
-    # Built on the meta device: no init work, and no draws from the global RNG that
-    # would shift the caller's random stream.
-    with torch.device("meta"):
-        model = TinyLM(msgspec.convert(state["model_config"], ModelConfig))
-    model.to_empty(device="cpu")
-    model.load_state_dict(state["model"])
-    return model
+    return rebuild(TinyLM, ModelConfig, state)
 
 
 def policy_from(init_from: str) -> TinyLM:
     """Warm start: the policy in a checkpoint, given its directory or its run's config."""
-    path = pipeline.checkpoint_for(init_from)
-    _, state = checkpoint.read(path)
-    try:
-        return load_policy(state)
-    except (KeyError, TypeError, ValueError, RuntimeError, msgspec.ValidationError) as exc:
-        raise CheckpointError(f"{path}: not a TinyLM policy checkpoint ({exc})") from None
+    return warm_start(init_from, load_policy, "TinyLM policy")
 
 
 def policy_state(

@@ -8,7 +8,6 @@ A subclass supplies only its algorithm: how a scored batch becomes training data
 
 from __future__ import annotations
 
-import copy
 import threading
 import time
 from dataclasses import dataclass
@@ -22,8 +21,8 @@ from torch import Tensor
 from corun.data import Dataset
 from corun.pipeline import is_config
 from corun.trainer import Batch, SetupContext, Trainer
+from trainers.common import apply_update, frozen_copy
 from trainers.lm.engine import LocalEngine, Rollouts
-from trainers.lm.model import TinyLM
 from trainers.lm.policy import (
     HeldOutEval,
     build_policy,
@@ -42,6 +41,7 @@ from trainers.pg import (
     decoupled_surrogate,
     kl_k3,
 )
+from trainers.replicas import Replicas
 
 UnitFloat = Annotated[float, msgspec.Meta(gt=0, le=1)]
 
@@ -106,7 +106,7 @@ class LMPolicyTrainer(Trainer[C]):
         else:
             self.policy = build_policy(cfg.d_model, cfg.n_layers, cfg.n_heads)
         # The KL anchor is the initial policy, frozen (on resume too: set-up rebuilds it).
-        self.reference = _frozen_copy(self.policy) if cfg.kl_coef > 0 else None
+        self.reference = frozen_copy(self.policy) if cfg.kl_coef > 0 else None
         self.extra_modules = self.build_extra_modules()
         params = [*self.policy.parameters(), *self.extra_parameters()]
         self.optimizer = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=0.0)
@@ -115,8 +115,10 @@ class LMPolicyTrainer(Trainer[C]):
         # published snapshot before each generation, so no weights are ever torn.
         self.engine = LocalEngine(self.policy)
         self._train_thread = threading.get_ident()
-        self._replicas: dict[int, LocalEngine] = {}
-        self._published = (0, _cloned(self.policy.state_dict()))
+        self.replicas: Replicas[LocalEngine] = Replicas(
+            self._engine_replica, LocalEngine.update_weights
+        )
+        self.replicas.publish(self.policy.state_dict(), 0)
         self._proximal: Tensor | None = None  # per batch, with the decoupled correction
         self.held_out = HeldOutEval(self.task, cfg.eval_size)
         self.max_new_tokens = cfg.max_new_tokens or self.task.max_answer_len + 1
@@ -151,7 +153,7 @@ class LMPolicyTrainer(Trainer[C]):
         interrupt = cfg.inflight_at_sync == "interrupt" and engine is not self.engine
         rollouts = engine.generate(
             encode_prompts([p for p, _ in examples]), n, self.max_new_tokens, cfg.temperature,
-            cfg.top_p, newer_weights=(lambda: self._published) if interrupt else None,
+            cfg.top_p, newer_weights=(lambda: self.replicas.latest) if interrupt else None,
         )  # fmt: skip
         generated = time.monotonic()
         responses = decode_responses(rollouts.response_ids)
@@ -198,11 +200,8 @@ class LMPolicyTrainer(Trainer[C]):
             loss, metrics = self.loss(data, part)
             loss.backward()
             params = [*self.policy.parameters(), *self.extra_parameters()]
-            grad_norm = torch.nn.utils.clip_grad_norm_(
-                params, self.config.grad_clip if self.config.grad_clip > 0 else float("inf")
-            )
-            self.optimizer.step()
-            metrics |= {"train/loss": float(loss.detach()), "train/grad_norm": float(grad_norm)}
+            grad_norm = apply_update(params, self.optimizer, self.config.grad_clip)
+            metrics |= {"train/loss": float(loss.detach()), "train/grad_norm": grad_norm}
             for key, value in metrics.items():
                 totals[key] = totals.get(key, 0.0) + value
         parts = min(self.config.mini_batches, rows.numel())
@@ -254,23 +253,21 @@ class LMPolicyTrainer(Trainer[C]):
     # ---- sync, eval, state
     def _rollout_engine(self) -> LocalEngine:
         """The calling thread's engine, caught up with the latest published weights."""
-        thread = threading.get_ident()
-        if thread == self._train_thread:
+        if threading.get_ident() == self._train_thread:
             return self.engine
-        version, state = self._published
-        replica = self._replicas.get(thread)
-        if replica is None:
-            model = load_policy({"model_config": asdict(self.policy.config), "model": state})
-            replica = self._replicas[thread] = LocalEngine(model)
-            replica.version = version
-        elif replica.version != version:
-            replica.update_weights(state, version)
-        return replica
+        return self.replicas.local()[0]
+
+    def _engine_replica(self, state: dict[str, Tensor], version: int) -> LocalEngine:
+        engine = LocalEngine(
+            load_policy({"model_config": asdict(self.policy.config), "model": state})
+        )
+        engine.version = version
+        return engine
 
     def sync_weights(self, version: int) -> None:
         self.engine.update_weights(self.policy.state_dict(), version)
         if self.run_config.loop.concurrency > 1:  # replicas on rollout workers read this
-            self._published = (version, _cloned(self.policy.state_dict()))
+            self.replicas.publish(self.policy.state_dict(), version)
 
     def evaluate(self) -> dict[str, float]:
         return self.held_out(self.policy)
@@ -293,17 +290,6 @@ def _spans_versions(rollouts: Rollouts) -> Tensor:
     return versions.amax(dim=1) > versions.amin(dim=1)
 
 
-def _cloned(state: dict[str, Tensor]) -> dict[str, Tensor]:
-    return {key: value.detach().clone() for key, value in state.items()}
-
-
 def _masked_mean(values: Tensor, mask: Tensor) -> float:
     mask = mask.to(values.dtype)
     return float((values * mask).sum() / mask.sum().clamp(min=1))
-
-
-def _frozen_copy(model: TinyLM) -> TinyLM:
-    frozen = copy.deepcopy(model).eval()
-    for p in frozen.parameters():
-        p.requires_grad_(False)
-    return frozen
