@@ -142,10 +142,18 @@ class Lane:
         while (call := self._calls.get()) is not None:
             call.run()
 
-    def close(self) -> None:
-        """End the lane's thread after the calls already queued (non-blocking)."""
+    def close(self, timeout: float = 10.0) -> None:
+        """End the lane's thread after the calls already queued, and wait for it.
+
+        Waiting matters at process exit: a thread still unwinding torch's per-thread
+        state while the interpreter shuts down aborts the process ("terminate called
+        without an active exception"). By the time a run closes its lanes every call
+        has returned, so the wait is short.
+        """
         if self._thread is not None:
             self._calls.put(None)
+            if self._thread is not threading.current_thread():
+                self._thread.join(timeout)
             self._thread = None
 
 

@@ -21,8 +21,8 @@ pytestmark = pytest.mark.anyio
 
 TINY = {
     "kind": "flow_grpo", "d_model": 32, "n_layers": 1, "n_heads": 2, "sample_steps": 4,
-    "samples_per_prompt": 4, "eval_size": 8, "grid_size": 4, "lr": 1e-3,
-    "timestep_fraction": 0.5,
+    "eval_size": 8, "grid_size": 4, "lr": 1e-3,
+    "grpo": {"samples_per_prompt": 4, "timestep_fraction": 0.5},
 }  # fmt: skip
 
 
@@ -66,7 +66,16 @@ def handwritten_loop(config: corun.Config) -> tuple[FlowGRPOTrainer, list[dict[s
 
 @pytest.mark.parametrize(
     ("accumulate", "variant"),
-    [(1, {}), (2, {"kl_coef": 0.5, "timestep_choice": "random", "cfg_scale": 1.5})],
+    [
+        (1, {}),
+        (
+            2,
+            {
+                "grpo": TINY["grpo"] | {"kl_coef": 0.5, "timestep_choice": "random"},
+                "cfg_scale": 1.5,
+            },
+        ),
+    ],
     ids=["plain", "window2-kl-random-cfg"],
 )
 async def test_run_equals_handwritten_loop(
@@ -87,7 +96,7 @@ async def test_run_equals_handwritten_loop(
     for ours, theirs in zip(got, records, strict=True):
         assert ours == {k: v for k, v in theirs.items() if not k.startswith("perf/")}
     assert any(r["rollout/reward_std"] > 0 for r in records)
-    if variant.get("kl_coef"):
+    if variant.get("grpo", {}).get("kl_coef"):
         assert records[-1]["train/kl"] > 0
     # With a window of 2 the update (and its grad norm) comes every second step.
     assert [("train/grad_norm" in r) for r in records] == [
@@ -135,9 +144,9 @@ async def test_async_rollout_workers(tmp_path: Path) -> None:
 
 def test_bad_settings_are_config_errors(tmp_path: Path) -> None:
     with pytest.raises(corun.ConfigError, match="samples_per_prompt"):
-        _config(tmp_path, 2, {"samples_per_prompt": 1})
+        _config(tmp_path, 2, {"grpo": {"samples_per_prompt": 1}})
     with pytest.raises(corun.ConfigError, match="noise_level"):
-        _config(tmp_path, 2, {"noise_level": 0})
+        _config(tmp_path, 2, {"grpo": {"noise_level": 0}})
 
 
 async def test_warm_start_from_a_language_model_checkpoint_is_refused(tmp_path: Path) -> None:
@@ -168,7 +177,7 @@ async def test_learning_raises_the_eval_reward(tmp_path: Path) -> None:
     config = make_config(
         tmp_path / "rl",
         {"kind": "flow_grpo", "init_from": str(pretrain), "lr": 5e-4, "grid_size": 0,
-         "samples_per_prompt": 8, "timestep_fraction": 0.5, "timestep_choice": "first"},
+         "grpo": {"samples_per_prompt": 8, "timestep_fraction": 0.5}},
         run={"steps": 30}, loop={"eval_interval": 30}, data={"batch_size": 8},
     )  # fmt: skip
     torch.set_num_threads(2)
