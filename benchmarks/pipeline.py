@@ -6,6 +6,7 @@ Run from the repository root::
     python -m benchmarks.pipeline            # the fake grid, a few minutes
     python -m benchmarks.pipeline --quick    # a smoke run of the grid
     python -m benchmarks.pipeline --real     # + the real GRPO comparison (~2 min)
+    python -m benchmarks.pipeline --real-only
 
 A fake trainer whose ``rollout`` and ``train_step`` only sleep (``async def``, so no
 compute and no threads) runs through the real template. With generation taking
@@ -115,7 +116,11 @@ def main() -> int:
     parser.add_argument("--backend", choices=("asyncio", "trio"), default="asyncio")
     parser.add_argument("--train-ms", type=float, default=50.0, help="the fake train step")
     parser.add_argument("--real", action="store_true", help="also grpo.toml vs grpo_async.toml")
+    parser.add_argument("--real-only", action="store_true", help="only the real comparison")
     args = parser.parse_args()
+    if args.real_only:
+        real_grpo.main(quick=args.quick)
+        return 0
     steps = 12 if args.quick else 40
     train_s = args.train_ms / 1e3
     ratios = (1.0, 2.0) if args.quick else (0.5, 1.0, 2.0, 4.0)

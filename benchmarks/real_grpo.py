@@ -31,9 +31,9 @@ def train(config: str, run_dir: Path, steps: int, eval_interval: int) -> dict[st
     step_times = [e["t"] for e in events if e["event"] == "step"]
     eval_times = {e["step"]: e["t"] for e in events if e["event"] in ("eval", "baseline_eval")}
     rewards = {
-        r["step"]: r["eval/reward_mean"]
+        r["step"]: r["eval/reward"]
         for r in read_jsonl(run_dir / "metrics.jsonl")
-        if "eval/reward_mean" in r
+        if "eval/reward" in r
     }
     return {
         "step_s": statistics.median(b - a for a, b in pairwise(step_times)),

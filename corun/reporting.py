@@ -17,9 +17,20 @@ from corun.config import Config
 from corun.events import MetricsLog
 from corun.trainer import Image
 
-# What the progress line shows, in this order, when a trainer logs it.
-_HEADLINE = ("train/loss", "rollout/reward_mean", "eval/accuracy", "eval/reward", "eval/loss")
-_HEADLINE_MAX = 3
+# What the progress line shows, in this order, when a trainer logs it. A multi-track
+# trainer's `train/<track>/loss` ranks as `train/loss`, so every track is shown.
+_HEADLINE = (
+    "train/loss", "rollout/reward_mean", "eval/accuracy", "eval/reward", "eval/reward_mean",
+    "eval/loss",
+)  # fmt: skip
+_HEADLINE_MAX = 4
+
+
+def headline_rank(key: str) -> tuple[int, str] | None:
+    """Where ``key`` goes on the progress line (None: not shown)."""
+    parts = key.split("/")
+    base = f"{parts[0]}/{parts[-1]}" if len(parts) == 3 else key
+    return (_HEADLINE.index(base), key) if base in _HEADLINE else None
 
 
 class Progress:
@@ -57,11 +68,11 @@ class Progress:
             self._bar.start()
 
     def update(self, step: int, metrics: Mapping[str, float]) -> None:
-        for key in _HEADLINE:
-            if key in metrics:
-                self._headline[key] = metrics[key]
-        shown = [k for k in _HEADLINE if k in self._headline][:_HEADLINE_MAX]
-        headline = "  ".join(f"{k}={self._headline[k]:.4g}" for k in shown)
+        for key, value in metrics.items():
+            if headline_rank(key) is not None:
+                self._headline[key] = value
+        ranked = sorted(self._headline, key=lambda k: headline_rank(k) or (0, k))
+        headline = "  ".join(f"{k}={self._headline[k]:.4g}" for k in ranked[:_HEADLINE_MAX])
         if self._bar is not None:
             self._bar.update(self._task, completed=step, headline=headline)
         elif self.mode == "plain":
