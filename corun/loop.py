@@ -11,7 +11,9 @@ Rollouts are produced by a task that feeds the trainer through a stream; admissi
 (``Clock.admit``) decides when the next rollout may start. With ``concurrency = 1``
 a rollout starts only after the previous step is complete, so the calls happen in
 exactly the order of a hand-written synchronous loop (generate → train → sync →
-generate); more concurrency is the same code with a wider admission window.
+generate); more concurrency is the same code with a wider admission window. A batch
+over the staleness bound when the trainer takes it (possible only in completion
+order) is dropped and its data index generated again.
 """
 
 from __future__ import annotations
