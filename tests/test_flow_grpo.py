@@ -14,6 +14,7 @@ import torch
 import corun
 from corun.events import read_jsonl
 from tests.conftest import make_config
+from tests.loops import handwritten_loop, is_png, step_records
 from tests.test_resume import assert_state_equal
 from trainers.flow_grpo import FlowGRPOTrainer
 
@@ -33,35 +34,6 @@ def _config(
         run_dir, {**TINY, **(trainer or {})}, run={"steps": steps, "seed": 3},
         loop={"baseline_eval": False, **loop}, data={"batch_size": 2},
     )  # fmt: skip
-
-
-def _records(run_dir: Path) -> list[dict[str, Any]]:
-    return [
-        {k: v for k, v in r.items() if not k.startswith("perf/")}
-        for r in read_jsonl(run_dir / "metrics.jsonl")
-        if "train/loss" in r
-    ]
-
-
-def _is_png(path: Path) -> bool:
-    return path.read_bytes().startswith(b"\x89PNG")
-
-
-def handwritten_loop(config: corun.Config) -> tuple[FlowGRPOTrainer, list[dict[str, Any]]]:
-    """Seed, build, then rollout → train (the update at each window's end) → sync."""
-    corun.seed_everything(config.run.seed)
-    trainer = FlowGRPOTrainer(config)
-    trainer.setup(corun.SetupContext(config))
-    data, window = trainer.dataset(), config.loop.accumulate
-    records = []
-    for step in range(config.run.steps):
-        batch = trainer.rollout(data.batch(step), step)
-        batch.window_pos, batch.window_size = step % window, window
-        metrics = trainer.train_step(batch)
-        records.append({"step": step + 1, **metrics, **batch.metrics})
-        if (step + 1) % window == 0:
-            trainer.sync_weights((step + 1) // window)
-    return trainer, records
 
 
 @pytest.mark.parametrize(
@@ -86,12 +58,12 @@ async def test_run_equals_handwritten_loop(
     with anyio.fail_after(60):
         await corun.run(trainer, config)
     reference, records = handwritten_loop(
-        _config(tmp_path / "ref", 4, variant, accumulate=accumulate)
+        FlowGRPOTrainer, _config(tmp_path / "ref", 4, variant, accumulate=accumulate)
     )
     assert_state_equal(trainer.state_dict(), reference.state_dict())
     assert_state_equal(trainer.sampler.state_dict(), reference.sampler.state_dict())
     assert trainer.sampler_version == 4 // accumulate
-    got = _records(tmp_path / "run")
+    got = step_records(tmp_path / "run")
     assert [r["step"] for r in got] == [r["step"] for r in records]
     for ours, theirs in zip(got, records, strict=True):
         assert ours == {k: v for k, v in theirs.items() if not k.startswith("perf/")}
@@ -113,7 +85,7 @@ async def test_resume_equals_straight(tmp_path: Path) -> None:
         resumed = FlowGRPOTrainer(_config(tmp_path / "split", 4, accumulate=2, save_interval=2))
         await corun.run(resumed, resumed.run_config)
     assert_state_equal(straight.state_dict(), resumed.state_dict())
-    assert _records(tmp_path / "straight") == _records(tmp_path / "split")
+    assert step_records(tmp_path / "straight") == step_records(tmp_path / "split")
 
 
 async def test_each_eval_writes_a_sample_grid(tmp_path: Path) -> None:
@@ -129,7 +101,7 @@ async def test_each_eval_writes_a_sample_grid(tmp_path: Path) -> None:
         str(tmp_path / "samples" / "step-0.png"),
         str(tmp_path / "samples" / "step-2.png"),
     ]
-    assert all(_is_png(Path(g)) for g in grids)
+    assert all(is_png(Path(g)) for g in grids)
 
 
 async def test_async_rollout_workers(tmp_path: Path) -> None:

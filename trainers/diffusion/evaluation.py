@@ -8,9 +8,11 @@ from the global RNGs and gives the same numbers for the same weights.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from pathlib import Path
 
 import torch
+from torch import Tensor
 
 from trainers.diffusion.grid import save_grid
 from trainers.diffusion.sampling import VelocityModel, flow_matching_loss, sample_ode
@@ -45,17 +47,24 @@ class HeldOutEval:
     @torch.no_grad()
     def samples(
         self, model: VelocityModel, *, num_steps: int, shift: float, cfg_scale: float,
-        step: int | None = None,
+        step: int | None = None, conditions: Tensor | None = None,
+        labels: Sequence[str] | None = None,
     ) -> dict[str, float]:  # fmt: skip
-        """Mean rewards of ODE samples; with ``step``, also writes that step's grid."""
+        """Mean rewards of ODE samples; with ``step``, also writes that step's grid.
+
+        ``conditions`` (default: the held-out prompts) are what the model is given,
+        e.g. a prompt enhancer's rewrites; the rewards always score the held-out
+        prompts. ``labels`` replace the grid's captions (default: the prompts)."""
+        conditions = self.tokens if conditions is None else conditions
         images = sample_ode(
-            model, self.tokens, num_steps=num_steps, shift=shift, cfg_scale=cfg_scale,
+            model, conditions, num_steps=num_steps, shift=shift, cfg_scale=cfg_scale,
             noise=self.noise,
         )  # fmt: skip
         rewards = score(images, self.tokens)
         if step is not None and self.grid_size:
             n = self.grid_size
-            save_grid(images[:n], captions(self.tokens[:n]), self.grid_path(step))
+            names = captions(self.tokens[:n]) if labels is None else list(labels[:n])
+            save_grid(images[:n], names, self.grid_path(step))
         return {
             "eval/reward_mean": float(rewards.total.mean()),
             "eval/color_reward": float(rewards.color.mean()),

@@ -24,7 +24,7 @@ from torch import Tensor
 
 from corun.compute import cancel_point
 from trainers.diffusion.sampling import Trajectory, VelocityModel, sample_sde, step_log_prob
-from trainers.diffusion.shapes import score
+from trainers.diffusion.shapes import Rewards, score
 from trainers.pg import AdvantageScope, clipped_surrogate, group_advantages, zero_std_groups
 
 UnitFloat = Annotated[float, msgspec.Meta(gt=0, le=1)]
@@ -69,6 +69,9 @@ class ImageGroups:
     rewards: Tensor  # (N,)
     advantages: Tensor  # (N,), clipped to ±adv_clip_max
     steps: list[int]  # the denoising steps to train on
+    # Each image's colour and position rewards too (a prompt enhancer credits each
+    # rewrite token with the part of the reward it controls).
+    scores: Rewards | None = None
 
 
 def sample_groups(
@@ -99,7 +102,7 @@ def sample_groups(
         "zero_std_group_ratio": float(zero_std_groups(rewards.total, n).float().mean()),
     }
     clipped = advantages.clamp(-settings.adv_clip_max, settings.adv_clip_max)
-    return ImageGroups(trajectory, rewards.total, clipped, steps), metrics
+    return ImageGroups(trajectory, rewards.total, clipped, steps, rewards), metrics
 
 
 def flow_grpo_backward(

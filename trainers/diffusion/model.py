@@ -82,13 +82,15 @@ class Block(nn.Module):
         nn.init.zeros_(self.ada.weight)
         nn.init.zeros_(self.ada.bias)
 
-    def forward(self, x: Tensor, c: Tensor) -> Tensor:
+    def forward(self, x: Tensor, c: Tensor, causal: bool = False) -> Tensor:
+        """``causal`` masks attention to earlier positions (a text track on these blocks)."""
         shift_a, scale_a, gate_a, shift_m, scale_m, gate_m = self.ada(c).chunk(6, dim=1)
         batch, length, d = x.shape
         h = modulate(self.norm_attn(x), shift_a, scale_a)
         q, k, v = self.qkv(h).split(d, dim=-1)
         q, k, v = (t.view(batch, length, self.n_heads, -1).transpose(1, 2) for t in (q, k, v))
-        attn = F.scaled_dot_product_attention(q, k, v).transpose(1, 2).reshape(batch, length, d)
+        attn = F.scaled_dot_product_attention(q, k, v, is_causal=causal)
+        attn = attn.transpose(1, 2).reshape(batch, length, d)
         x = x + gate_a.unsqueeze(1) * self.proj(attn)
         h = modulate(self.norm_mlp(x), shift_m, scale_m)
         return x + gate_m.unsqueeze(1) * self.mlp(h)

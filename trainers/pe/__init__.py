@@ -1,0 +1,1 @@
+"""The prompt enhancer's pieces: user prompts and vocabulary, and the rewriting policy."""

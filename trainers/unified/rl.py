@@ -1,0 +1,205 @@
+"""RL on the unified model: GRPO on the text track and Flow-GRPO on the image track,
+both losses accumulated into one optimizer step.
+
+Rollout samples, from the rollout copy of the model (a :class:`LocalEngine`, whose
+``model.flow`` is the image sampler), ``samples_per_prompt`` answers per text prompt
+scored by the task's reward, and ``samples_per_prompt`` SDE images per image prompt
+scored by the pixel rewards (:func:`trainers.diffusion.flow_rl.sample_groups`); both
+get group advantages. The train step backpropagates the text track's clipped loss and
+then the image track's (:func:`trainers.diffusion.flow_rl.flow_grpo_backward`), each
+times its track weight, and applies the update at the end of a ``loop.accumulate``
+window (every batch without it).
+"""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass
+from typing import Annotated
+
+import msgspec
+import torch
+from torch import Tensor
+
+from corun.pipeline import is_config
+from corun.trainer import Batch, SetupContext
+from trainers.common import apply_update, frozen_copy
+from trainers.diffusion.flow_rl import FlowGRPOSettings, ImageGroups, Sampling, sample_groups
+from trainers.diffusion.flow_rl import flow_grpo_backward as image_backward
+from trainers.diffusion.shapes import ShapeBatch, stable_seed
+from trainers.lm.engine import LocalEngine, Rollouts
+from trainers.lm.model import TinyLM
+from trainers.lm.policy import response_logprobs
+from trainers.lm.tasks import Task, decode_responses, encode_prompts
+from trainers.pg import (
+    AdvantageScope,
+    LossAggregation,
+    aggregate,
+    clipped_surrogate,
+    group_advantages,
+    zero_std_groups,
+)
+from trainers.replicas import Replicas
+from trainers.unified.base import Tracks, UnifiedBase, UnifiedSettings, tagged
+from trainers.unified.model import MODEL_KIND, build_unified, load_unified, unified_from
+
+NonNegativeFloat = Annotated[float, msgspec.Meta(ge=0)]
+
+
+class TextGRPOSettings(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):
+    """How the text track samples and learns (GRPO, as trainers/grpo.py)."""
+
+    samples_per_prompt: Annotated[int, msgspec.Meta(ge=2)] = 8
+    temperature: Annotated[float, msgspec.Meta(gt=0)] = 1.0
+    top_p: Annotated[float, msgspec.Meta(gt=0, le=1)] = 1.0
+    clip_low: NonNegativeFloat = 0.2
+    clip_high: NonNegativeFloat = 0.2
+    loss_agg: LossAggregation = "token-mean"
+    adv_scope: AdvantageScope = "group"
+    adv_std_norm: bool = True
+
+
+class UnifiedConfig(UnifiedSettings, frozen=True, forbid_unknown_fields=True, kw_only=True):
+    # Warm start: a checkpoint directory, or the .toml config of a run that corun
+    # trains first when its final checkpoint is missing. Empty: a fresh model.
+    init_from: str = ""
+    lr: Annotated[float, msgspec.Meta(gt=0)] = 3e-4
+    text: TextGRPOSettings = TextGRPOSettings()  # [trainer.text]
+    image: FlowGRPOSettings = FlowGRPOSettings()  # [trainer.image]: Flow-GRPO's settings
+
+
+@dataclass
+class TextGroups:
+    rollouts: Rollouts
+    advantages: Tensor  # (N,) one per response
+
+
+def score_text(
+    task: Task, examples: list[tuple[str, str]], rollouts: Rollouts, settings: TextGRPOSettings
+) -> tuple[TextGroups, dict[str, float]]:
+    """Task rewards of each prompt's group of responses, and group advantages."""
+    n = settings.samples_per_prompt
+    responses = decode_responses(rollouts.response_ids)
+    asked = [example for example in examples for _ in range(n)]
+    rewards = torch.tensor([
+        task.reward(p, a, r) for (p, a), r in zip(asked, responses, strict=True)
+    ])  # fmt: skip
+    advantages = group_advantages(rewards, n, settings.adv_scope, settings.adv_std_norm)
+    metrics = {
+        "reward_mean": float(rewards.mean()),
+        "reward_std": float(rewards.std()),
+        "response_len_mean": float(rollouts.response_mask.sum(dim=1).float().mean()),
+        "zero_std_group_ratio": float(zero_std_groups(rewards, n).float().mean()),
+    }
+    return TextGroups(rollouts, advantages), metrics
+
+
+def text_grpo_loss(
+    model: TinyLM, groups: TextGroups, settings: TextGRPOSettings
+) -> tuple[Tensor, dict[str, float]]:
+    """The clipped surrogate of the text track's responses, aggregated over tokens."""
+    rollouts = groups.rollouts
+    logp, entropy, _ = response_logprobs(
+        model, rollouts.sequences, rollouts.prompt_ids.shape[1], settings.temperature
+    )
+    per_token, clipped = clipped_surrogate(
+        logp, rollouts.logprobs, groups.advantages[:, None], settings.clip_low, settings.clip_high
+    )
+    mask = rollouts.response_mask.float()
+    tokens = mask.sum().clamp(min=1)
+    return aggregate(per_token, rollouts.response_mask, settings.loss_agg), {
+        "clip_ratio": float((clipped.float() * mask).sum() / tokens),
+        "entropy": float((entropy.detach() * mask).sum() / tokens),
+    }
+
+
+class UnifiedTrainer(UnifiedBase[UnifiedConfig]):
+    """Registered as ``unified``; honours ``loop.accumulate`` (one update per window)."""
+
+    Config = UnifiedConfig
+    accumulates = True
+
+    def setup(self, ctx: SetupContext) -> None:
+        cfg = self.config
+        if cfg.init_from:
+            model = unified_from(cfg.init_from)
+        else:
+            model = build_unified(cfg.d_model, cfg.n_layers, cfg.n_heads, cfg.patch_size)
+        self.build(ctx, model)
+        # The image track's KL anchor: the starting model, frozen.
+        self.reference = frozen_copy(model).flow if cfg.image.kl_coef > 0 else None
+        # The rollout copy of the whole model (both tracks), replaced only by a sync;
+        # rollout workers on other threads (concurrency > 1) keep replicas of it.
+        self.engine = LocalEngine(model)
+        self._train_thread = threading.get_ident()
+        self.replicas: Replicas[LocalEngine] = Replicas(self._replica, LocalEngine.update_weights)
+        self.replicas.publish(model.state_dict(), 0)
+        self.max_new_tokens = self.task.max_answer_len + 1
+
+    def prerequisites(self) -> list[str]:
+        return [self.config.init_from] if is_config(self.config.init_from) else []
+
+    # ---- rollout
+    def rollout(self, inputs: Tracks[list[tuple[str, str]], ShapeBatch], step: int) -> Batch:
+        """Both tracks' groups from one generator of (seed, step): the same batch on any
+        thread, in any order, and after a resume."""
+        cfg = self.config
+        seed = stable_seed("unified-rl", self.run_config.run.seed, step)
+        generator = torch.Generator().manual_seed(seed)
+        engine = self._engine()
+        rollouts = engine.generate(
+            encode_prompts([prompt for prompt, _ in inputs.text]), cfg.text.samples_per_prompt,
+            self.max_new_tokens, cfg.text.temperature, cfg.text.top_p, generator,
+        )  # fmt: skip
+        text, text_metrics = score_text(self.task, inputs.text, rollouts, cfg.text)
+        sampling = Sampling(cfg.sample_steps, cfg.shift, cfg.cfg_scale)
+        tokens = inputs.image.tokens
+        image, image_metrics = sample_groups(
+            engine.model.flow, tokens, tokens, cfg.image, sampling, generator
+        )
+        metrics = tagged("rollout", "text", text_metrics)
+        metrics |= tagged("rollout", "image", image_metrics)
+        return Batch(Tracks(text, image), metrics, version=engine.version)
+
+    def _engine(self) -> LocalEngine:
+        if threading.get_ident() == self._train_thread:
+            return self.engine
+        return self.replicas.local()[0]
+
+    def _replica(self, state: dict[str, Tensor], version: int) -> LocalEngine:
+        config = msgspec.structs.asdict(self.model.config)
+        model = load_unified({"model_config": config, "model": state, "model_kind": MODEL_KIND})
+        engine = LocalEngine(model)
+        engine.version = version
+        return engine
+
+    # ---- train
+    def train_step(self, batch: Batch) -> dict[str, float]:
+        """Both tracks' losses backpropagated into the same gradients; one update at
+        the end of the window."""
+        cfg = self.config
+        text: TextGroups = batch.data.text
+        image: ImageGroups = batch.data.image
+        self.model.train()
+        if batch.window_pos == 0:
+            self.optimizer.zero_grad(set_to_none=True)
+        text_loss, text_metrics = text_grpo_loss(self.model, text, cfg.text)
+        (text_loss * cfg.text_weight / batch.window_size).backward()
+        text_metrics["loss"] = float(text_loss.detach())
+        image_metrics = image_backward(
+            self.model.flow, self.reference, image, cfg.image, cfg.image_weight / batch.window_size
+        )
+        metrics = tagged("train", "text", text_metrics) | tagged("train", "image", image_metrics)
+        metrics["train/loss"] = (
+            cfg.text_weight * text_metrics["loss"] + cfg.image_weight * image_metrics["loss"]
+        )
+        if batch.ends_window:
+            params = self.model.parameters()
+            metrics["train/grad_norm"] = apply_update(params, self.optimizer, cfg.grad_clip)
+        return metrics
+
+    # ---- sync
+    def sync_weights(self, version: int) -> None:
+        self.engine.update_weights(self.model.state_dict(), version)
+        if self.run_config.loop.concurrency > 1:  # replicas on rollout workers read this
+            self.replicas.publish(self.model.state_dict(), version)
