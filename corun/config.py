@@ -63,9 +63,10 @@ class LoopConfig(Section, frozen=True, forbid_unknown_fields=True, kw_only=True)
     # trainer never waits behind a slow rollout, and an overtaken batch that ends
     # up over max_staleness is dropped and generated again).
     order: Literal["start", "completion"] = "start"
-    # torch intra-op threads for each lane when concurrency > 1 (the train lane and
-    # every rollout worker's); 0 keeps torch's default. Lanes run side by side, so
-    # on a small machine give each a share of the cores.
+    # torch intra-op threads for each lane (the train lane and, when concurrency > 1,
+    # every rollout worker's); 0 keeps torch's default. Lanes run side by side, so on
+    # a small machine give each a share of the cores; on a machine shared with other
+    # jobs, 1 avoids oversubscribing the cores (thread compute only).
     lane_threads: NonNegativeInt = 0
     # Steps between periodic evals / saves; 0 turns them off.
     eval_interval: NonNegativeInt = 0

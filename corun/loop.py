@@ -103,7 +103,7 @@ class _Session:
         # At concurrency 1 rollout and training share the thread, in order (exactly a
         # hand-written loop); above it, each rollout worker has a lane of its own.
         loop = config.loop
-        threads = loop.lane_threads if loop.concurrency > 1 else 0
+        threads = loop.lane_threads
         self.train_lane = Lane("train", loop.compute, threads)
         self.rollout_lanes = (
             [self.train_lane]

@@ -5,12 +5,16 @@ from __future__ import annotations
 
 import threading
 import time
+from pathlib import Path
+from typing import Any
 
 import anyio
 import pytest
 import torch
 
+import corun
 from corun.compute import Lane, cancel_point
+from tests.conftest import make_config
 
 pytestmark = pytest.mark.anyio
 
@@ -55,3 +59,30 @@ async def test_completed_call_returns_its_result_despite_cancellation() -> None:
             assert result == 42
     finally:
         lane.close()
+
+
+class ThreadCountTrainer(corun.Trainer[corun.TrainerConfig]):
+    """Records torch's intra-op thread count where its hooks run."""
+
+    def setup(self, ctx: corun.SetupContext) -> None:
+        self.seen: set[int] = set()
+
+    def rollout(self, inputs: Any, step: int) -> corun.Batch:
+        self.seen.add(torch.get_num_threads())
+        return corun.Batch(inputs)
+
+    def train_step(self, batch: corun.Batch) -> dict[str, float]:
+        self.seen.add(torch.get_num_threads())
+        return {}
+
+
+@pytest.mark.parametrize("concurrency", [1, 2])
+async def test_lane_threads_sets_every_lanes_torch_budget(tmp_path: Path, concurrency: int) -> None:
+    config = make_config(
+        tmp_path, {"kind": "tests.test_compute:ThreadCountTrainer"}, run={"steps": 3},
+        loop={"lane_threads": 3, "concurrency": concurrency, "baseline_eval": False},
+    )  # fmt: skip
+    trainer = ThreadCountTrainer(config)
+    with anyio.fail_after(30):
+        await corun.run(trainer, config)
+    assert trainer.seen == {3}  # neither the test default (1) nor the machine's cores
