@@ -9,7 +9,6 @@ loss are shared with the other image tracks (trainers/diffusion/flow_rl.py).
 
 from __future__ import annotations
 
-import threading
 from typing import Annotated, Any
 
 import msgspec
@@ -62,28 +61,27 @@ class FlowGRPOTrainer(FlowTrainer[FlowGRPOConfig]):
         self.finish_setup(ctx, cfg.lr, cfg.weight_decay)
         # The sampler is the rollout engine: its own weights, replaced only by a sync.
         # Rollout workers on other threads (concurrency > 1) use replicas of it.
-        self.sampler = frozen_copy(self.model)
-        self.sampler_version = 0
-        self._train_thread = threading.get_ident()
-        self.replicas: Replicas[FlowDiT] = Replicas(_replica_of(self.model), _load_weights)
-        self.replicas.publish(self.model.state_dict(), 0)
+        self.replicas: Replicas[FlowDiT] = Replicas(
+            frozen_copy(self.model), _replica_of(self.model), _load_weights,
+            shared=self.run_config.loop.concurrency > 1, initial=self.model.state_dict(),
+        )  # fmt: skip
+        self.sampler = self.replicas.home
+
+    @property
+    def sampler_version(self) -> int:
+        return self.replicas.version
 
     # ---- rollout
     def rollout(self, inputs: ShapeBatch, step: int) -> Batch:
         # Every draw of this batch comes from a generator of (seed, step): the same
         # batch on any thread, in any order, and again after a resume.
         seed = stable_seed("flow-grpo", self.run_config.run.seed, step)
-        sampler, version = self._sampler()
+        sampler, version = self.replicas.local()
         groups, metrics = sample_groups(
             sampler, inputs.tokens, inputs.tokens, self.config.grpo, self.config.sampling,
             torch.Generator().manual_seed(seed),
         )  # fmt: skip
         return Batch(groups, {f"rollout/{k}": v for k, v in metrics.items()}, version=version)
-
-    def _sampler(self) -> tuple[FlowDiT, int]:
-        if threading.get_ident() == self._train_thread:
-            return self.sampler, self.sampler_version
-        return self.replicas.local()
 
     # ---- train
     def train_step(self, batch: Batch) -> dict[str, float]:
@@ -103,10 +101,7 @@ class FlowGRPOTrainer(FlowTrainer[FlowGRPOConfig]):
 
     # ---- sync, eval, state
     def sync_weights(self, version: int) -> None:
-        _load_weights(self.sampler, self.model.state_dict())
-        self.sampler_version = version
-        if self.run_config.loop.concurrency > 1:
-            self.replicas.publish(self.model.state_dict(), version)
+        self.replicas.sync(self.model.state_dict(), version)
 
 
 def _replica_of(model: FlowDiT) -> Any:

@@ -16,7 +16,6 @@ with a sampler of another.
 
 from __future__ import annotations
 
-import threading
 from dataclasses import dataclass, replace
 from typing import Annotated, Any, Literal
 
@@ -120,10 +119,12 @@ class PromptEnhancerTrainer(FlowGRPOTrainer):
         else:
             self.policy = build_rewriter(cfg.text_d_model, cfg.text_n_layers, cfg.text_n_heads)
         self.text_optimizer = torch.optim.AdamW(self.policy.parameters(), lr=cfg.text_lr)
-        self.engine = LocalEngine(self.policy)
         # One snapshot of both sides per sync: a worker never sees them torn apart.
-        self.pairs: Replicas[Pair] = Replicas(self._pair_of, _load_pair)
-        self.pairs.publish(self._weights(), 0)
+        self.pairs: Replicas[Pair] = Replicas(
+            (LocalEngine(self.policy), self.sampler), self._pair_of, _load_pair,
+            shared=self.run_config.loop.concurrency > 1, initial=self._weights(),
+        )  # fmt: skip
+        self.engine = self.pairs.home[0]
         self.eval_users = eval_users(self.held_out.tokens)
 
     def dataset(self) -> Dataset:
@@ -142,7 +143,7 @@ class PromptEnhancerTrainer(FlowGRPOTrainer):
         # batch on any thread, in any order, and again after a resume.
         cfg, k = self.config, self.config.rewrites_per_prompt
         generator = torch.Generator().manual_seed(stable_seed("pe", self.run_config.run.seed, step))
-        (engine, sampler), version = self._rollout_pair()
+        (engine, sampler), version = self.pairs.local()
         rewrites = engine.generate(
             inputs.prompt_ids, k, REWRITE_LEN, cfg.temperature, generator=generator
         )
@@ -178,10 +179,9 @@ class PromptEnhancerTrainer(FlowGRPOTrainer):
         scores = images.scores
         return torch.stack([scores.color, scores.total, scores.position], dim=1)
 
-    def _rollout_pair(self) -> tuple[Pair, int]:
-        if threading.get_ident() == self._train_thread:
-            return (self.engine, self.sampler), self.sampler_version
-        return self.pairs.local()
+    @property
+    def sampler_version(self) -> int:
+        return self.pairs.version
 
     # ---- train
     def train_step(self, batch: Batch) -> dict[str, float]:
@@ -231,12 +231,7 @@ class PromptEnhancerTrainer(FlowGRPOTrainer):
 
     # ---- sync
     def sync_weights(self, version: int) -> None:
-        self.engine.update_weights(self.policy.state_dict(), version)
-        with torch.no_grad():
-            self.sampler.load_state_dict(self.model.state_dict())
-        self.sampler_version = version
-        if self.run_config.loop.concurrency > 1:  # rollout workers read this snapshot
-            self.pairs.publish(self._weights(), version)
+        self.pairs.sync(self._weights(), version)
 
     def _weights(self) -> dict[str, Tensor]:
         return {

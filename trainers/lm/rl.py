@@ -8,7 +8,6 @@ A subclass supplies only its algorithm: how a scored batch becomes training data
 
 from __future__ import annotations
 
-import threading
 import time
 from dataclasses import dataclass
 from typing import Annotated, Any, Literal, TypeVar
@@ -110,15 +109,13 @@ class LMPolicyTrainer(Trainer[C]):
         self.extra_modules = self.build_extra_modules()
         params = [*self.policy.parameters(), *self.extra_parameters()]
         self.optimizer = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=0.0)
-        # The train thread's engine is updated in place at each sync. Rollout workers
-        # on other threads (concurrency > 1) get replicas that take the latest
-        # published snapshot before each generation, so no weights are ever torn.
-        self.engine = LocalEngine(self.policy)
-        self._train_thread = threading.get_ident()
+        # The rollout engine: the train thread's, updated in place at each sync, and
+        # one replica per rollout worker thread (concurrency > 1).
         self.replicas: Replicas[LocalEngine] = Replicas(
-            self._engine_replica, LocalEngine.update_weights
-        )
-        self.replicas.publish(self.policy.state_dict(), 0)
+            LocalEngine(self.policy), self._engine_replica, LocalEngine.update_weights,
+            shared=self.run_config.loop.concurrency > 1, initial=self.policy.state_dict(),
+        )  # fmt: skip
+        self.engine = self.replicas.home
         self._proximal: Tensor | None = None  # per batch, with the decoupled correction
         self.held_out = HeldOutEval(self.task, cfg.eval_size)
         self.max_new_tokens = cfg.max_new_tokens or self.task.max_answer_len + 1
@@ -149,7 +146,7 @@ class LMPolicyTrainer(Trainer[C]):
         """Sample ``samples_per_prompt`` responses per prompt and score them."""
         cfg, n = self.config, self.config.samples_per_prompt
         started = time.monotonic()
-        engine = self._rollout_engine()
+        engine = self.replicas.local()[0]
         interrupt = cfg.inflight_at_sync == "interrupt" and engine is not self.engine
         rollouts = engine.generate(
             encode_prompts([p for p, _ in examples]), n, self.max_new_tokens, cfg.temperature,
@@ -251,12 +248,6 @@ class LMPolicyTrainer(Trainer[C]):
         return aggregate(loss_tok, mask, cfg.loss_agg), metrics, hidden
 
     # ---- sync, eval, state
-    def _rollout_engine(self) -> LocalEngine:
-        """The calling thread's engine, caught up with the latest published weights."""
-        if threading.get_ident() == self._train_thread:
-            return self.engine
-        return self.replicas.local()[0]
-
     def _engine_replica(self, state: dict[str, Tensor], version: int) -> LocalEngine:
         engine = LocalEngine(
             load_policy({"model_config": asdict(self.policy.config), "model": state})
@@ -265,9 +256,7 @@ class LMPolicyTrainer(Trainer[C]):
         return engine
 
     def sync_weights(self, version: int) -> None:
-        self.engine.update_weights(self.policy.state_dict(), version)
-        if self.run_config.loop.concurrency > 1:  # replicas on rollout workers read this
-            self.replicas.publish(self.policy.state_dict(), version)
+        self.replicas.sync(self.policy.state_dict(), version)
 
     def evaluate(self) -> dict[str, float]:
         return self.held_out(self.policy)

@@ -13,7 +13,6 @@ window (every batch without it).
 
 from __future__ import annotations
 
-import threading
 from dataclasses import dataclass
 from typing import Annotated
 
@@ -130,10 +129,11 @@ class UnifiedTrainer(UnifiedBase[UnifiedConfig]):
         self.reference = frozen_copy(model).flow if cfg.image.kl_coef > 0 else None
         # The rollout copy of the whole model (both tracks), replaced only by a sync;
         # rollout workers on other threads (concurrency > 1) keep replicas of it.
-        self.engine = LocalEngine(model)
-        self._train_thread = threading.get_ident()
-        self.replicas: Replicas[LocalEngine] = Replicas(self._replica, LocalEngine.update_weights)
-        self.replicas.publish(model.state_dict(), 0)
+        self.replicas: Replicas[LocalEngine] = Replicas(
+            LocalEngine(model), self._replica, LocalEngine.update_weights,
+            shared=self.run_config.loop.concurrency > 1, initial=model.state_dict(),
+        )  # fmt: skip
+        self.engine = self.replicas.home
         self.max_new_tokens = self.task.max_answer_len + 1
 
     def prerequisites(self) -> list[str]:
@@ -146,7 +146,7 @@ class UnifiedTrainer(UnifiedBase[UnifiedConfig]):
         cfg = self.config
         seed = stable_seed("unified-rl", self.run_config.run.seed, step)
         generator = torch.Generator().manual_seed(seed)
-        engine = self._engine()
+        engine = self.replicas.local()[0]
         rollouts = engine.generate(
             encode_prompts([prompt for prompt, _ in inputs.text]), cfg.text.samples_per_prompt,
             self.max_new_tokens, cfg.text.temperature, cfg.text.top_p, generator,
@@ -160,11 +160,6 @@ class UnifiedTrainer(UnifiedBase[UnifiedConfig]):
         metrics = tagged("rollout", "text", text_metrics)
         metrics |= tagged("rollout", "image", image_metrics)
         return Batch(Tracks(text, image), metrics, version=engine.version)
-
-    def _engine(self) -> LocalEngine:
-        if threading.get_ident() == self._train_thread:
-            return self.engine
-        return self.replicas.local()[0]
 
     def _replica(self, state: dict[str, Tensor], version: int) -> LocalEngine:
         config = msgspec.structs.asdict(self.model.config)
@@ -200,6 +195,4 @@ class UnifiedTrainer(UnifiedBase[UnifiedConfig]):
 
     # ---- sync
     def sync_weights(self, version: int) -> None:
-        self.engine.update_weights(self.model.state_dict(), version)
-        if self.run_config.loop.concurrency > 1:  # replicas on rollout workers read this
-            self.replicas.publish(self.model.state_dict(), version)
+        self.replicas.sync(self.model.state_dict(), version)
