@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
-from typing import Annotated, Any, Literal, TypeVar
+from typing import Annotated, Any, Literal, Protocol, TypeVar
 
 import msgspec
 import torch
@@ -22,6 +22,7 @@ from corun.pipeline import is_config
 from corun.trainer import Batch, SetupContext, Trainer
 from trainers.common import apply_update, frozen_copy
 from trainers.lm.engine import LocalEngine, Rollouts
+from trainers.lm.model import TinyLM
 from trainers.lm.policy import (
     HeldOutEval,
     build_policy,
@@ -32,7 +33,7 @@ from trainers.lm.policy import (
     response_logprobs,
 )
 from trainers.lm.settings import LMTrainerConfig, NonNegativeFloat, PositiveInt
-from trainers.lm.tasks import TASKS, TaskData, decode_responses, encode_prompts
+from trainers.lm.tasks import TASKS, Task, TaskData, decode_responses, encode_prompts
 from trainers.pg import (
     LossAggregation,
     aggregate,
@@ -153,21 +154,12 @@ class LMPolicyTrainer(Trainer[C]):
             cfg.top_p, newer_weights=(lambda: self.replicas.latest) if interrupt else None,
         )  # fmt: skip
         generated = time.monotonic()
-        responses = decode_responses(rollouts.response_ids)
-        rewards = torch.tensor([
-            0.0 if cut and cfg.truncated_reward == "zero" else self.task.reward(p, a, response)
-            for (p, a), response, cut in zip(
-                (ex for ex in examples for _ in range(n)), responses, rollouts.truncated.tolist(),
-                strict=True,
-            )
-        ])  # fmt: skip
+        rewards, reward_metrics = task_rewards(
+            self.task, examples, rollouts, n, cfg.truncated_reward
+        )
         prompts = [p for p, _ in examples for _ in range(n)]
-        lengths = rollouts.response_mask.sum(dim=1).float()
         metrics = {
-            "rollout/reward_mean": float(rewards.mean()),
-            "rollout/reward_std": float(rewards.std()) if rewards.numel() > 1 else 0.0,
-            "rollout/response_len_mean": float(lengths.mean()),
-            "rollout/truncated_ratio": float(rollouts.truncated.float().mean()),
+            **{f"rollout/{key}": value for key, value in reward_metrics.items()},
             # Responses continued by newer weights part-way (interrupt mode).
             "rollout/partial_ratio": float(_spans_versions(rollouts).float().mean()),
             "perf/generate_time_s": generated - started,
@@ -216,36 +208,12 @@ class LMPolicyTrainer(Trainer[C]):
     ) -> tuple[Tensor, dict[str, float], Tensor]:
         """Clipped surrogate (+ KL) over ``rows``; ``advantages`` is (rows, 1) or (rows, T)."""
         cfg = self.config
-        part = rollouts.select(rows)
-        prompt_len = part.prompt_ids.shape[1]
-        logp, entropy, hidden = response_logprobs(
-            self.policy, part.sequences, prompt_len, cfg.temperature
-        )
-        mask = part.response_mask
-        metrics: dict[str, float] = {}
-        if self._proximal is not None:
-            loss_tok, clipped, weights = decoupled_surrogate(
-                logp, self._proximal[rows], part.logprobs, advantages, cfg.clip_low,
-                cfg.clip_high, cfg.importance_cap,
-            )  # fmt: skip
-            metrics["train/importance_weight_mean"] = _masked_mean(weights, mask)
-        else:
-            loss_tok, clipped = clipped_surrogate(
-                logp, part.logprobs, advantages, cfg.clip_low, cfg.clip_high
-            )
-        metrics["train/clip_ratio"] = _masked_mean(clipped.float(), mask)
-        metrics["train/entropy"] = _masked_mean(entropy.detach(), mask)
-        if self.reference is not None:
-            with torch.no_grad():
-                ref_logp, _, _ = response_logprobs(
-                    self.reference, part.sequences, prompt_len, cfg.temperature
-                )
-            kl = kl_k3(logp, ref_logp)
-            loss_tok = loss_tok + cfg.kl_coef * kl
-            metrics["train/kl"] = _masked_mean(kl.detach(), mask)
-        else:
-            metrics["train/kl"] = _masked_mean(kl_k3(logp.detach(), part.logprobs), mask)
-        return aggregate(loss_tok, mask, cfg.loss_agg), metrics, hidden
+        loss, metrics, hidden = clipped_policy_loss(
+            self.policy, rollouts.select(rows), advantages, cfg,
+            proximal=None if self._proximal is None else self._proximal[rows],
+            importance_cap=cfg.importance_cap, reference=self.reference, kl_coef=cfg.kl_coef,
+        )  # fmt: skip
+        return loss, {f"train/{key}": value for key, value in metrics.items()}, hidden
 
     # ---- sync, eval, state
     def _engine_replica(self, state: dict[str, Tensor], version: int) -> LocalEngine:
@@ -272,6 +240,75 @@ class LMPolicyTrainer(Trainer[C]):
         load_policy_state(state, self.policy, self.optimizer, self.config.task)
         for name, module in self.extra_modules.items():
             module.load_state_dict(state["extra"][name])
+
+
+class PolicyLossSettings(Protocol):
+    temperature: float
+    clip_low: float
+    clip_high: float
+    loss_agg: LossAggregation
+
+
+def task_rewards(
+    task: Task, examples: list[tuple[str, str]], rollouts: Rollouts, n: int,
+    truncated_reward: str = "keep",
+) -> tuple[Tensor, dict[str, float]]:  # fmt: skip
+    """Each of the ``n`` responses per example scored by the task (a response cut at
+    the length cap earns 0 when ``truncated_reward`` is "zero"), and batch metrics."""
+    responses = decode_responses(rollouts.response_ids)
+    rewards = torch.tensor([
+        0.0 if cut and truncated_reward == "zero" else task.reward(p, a, response)
+        for (p, a), response, cut in zip(
+            (ex for ex in examples for _ in range(n)), responses, rollouts.truncated.tolist(),
+            strict=True,
+        )
+    ])  # fmt: skip
+    return rewards, {
+        "reward_mean": float(rewards.mean()),
+        "reward_std": float(rewards.std()) if rewards.numel() > 1 else 0.0,
+        "response_len_mean": float(rollouts.response_mask.sum(dim=1).float().mean()),
+        "truncated_ratio": float(rollouts.truncated.float().mean()),
+    }
+
+
+def clipped_policy_loss(
+    policy: TinyLM, rollouts: Rollouts, advantages: Tensor, settings: PolicyLossSettings, *,
+    proximal: Tensor | None = None, importance_cap: float = 1.0,
+    reference: TinyLM | None = None, kl_coef: float = 0.0,
+) -> tuple[Tensor, dict[str, float], Tensor]:  # fmt: skip
+    """The clipped surrogate of ``rollouts`` under ``policy`` (decoupled against
+    ``proximal`` log-probs when given, weights capped at ``importance_cap``), plus
+    ``kl_coef`` × k3 KL to ``reference`` when given. Returns the aggregated loss,
+    metrics, and the hidden states (a value head's input)."""
+    prompt_len = rollouts.prompt_ids.shape[1]
+    logp, entropy, hidden = response_logprobs(
+        policy, rollouts.sequences, prompt_len, settings.temperature
+    )
+    mask = rollouts.response_mask
+    metrics: dict[str, float] = {}
+    if proximal is not None:
+        loss_tok, clipped, weights = decoupled_surrogate(
+            logp, proximal, rollouts.logprobs, advantages, settings.clip_low,
+            settings.clip_high, importance_cap,
+        )  # fmt: skip
+        metrics["importance_weight_mean"] = _masked_mean(weights, mask)
+    else:
+        loss_tok, clipped = clipped_surrogate(
+            logp, rollouts.logprobs, advantages, settings.clip_low, settings.clip_high
+        )
+    metrics["clip_ratio"] = _masked_mean(clipped.float(), mask)
+    metrics["entropy"] = _masked_mean(entropy.detach(), mask)
+    if reference is not None:
+        with torch.no_grad():
+            ref_logp, _, _ = response_logprobs(
+                reference, rollouts.sequences, prompt_len, settings.temperature
+            )
+        kl = kl_k3(logp, ref_logp)
+        loss_tok = loss_tok + kl_coef * kl
+        metrics["kl"] = _masked_mean(kl.detach(), mask)
+    else:
+        metrics["kl"] = _masked_mean(kl_k3(logp.detach(), rollouts.logprobs), mask)
+    return aggregate(loss_tok, mask, settings.loss_agg), metrics, hidden
 
 
 def _spans_versions(rollouts: Rollouts) -> Tensor:

@@ -27,14 +27,11 @@ from trainers.diffusion.flow_rl import FlowGRPOSettings, ImageGroups, Sampling, 
 from trainers.diffusion.flow_rl import flow_grpo_backward as image_backward
 from trainers.diffusion.shapes import ShapeBatch, stable_seed
 from trainers.lm.engine import LocalEngine, Rollouts
-from trainers.lm.model import TinyLM
-from trainers.lm.policy import response_logprobs
-from trainers.lm.tasks import Task, decode_responses, encode_prompts
+from trainers.lm.rl import clipped_policy_loss, task_rewards
+from trainers.lm.tasks import Task, encode_prompts
 from trainers.pg import (
     AdvantageScope,
     LossAggregation,
-    aggregate,
-    clipped_surrogate,
     group_advantages,
     zero_std_groups,
 )
@@ -78,38 +75,10 @@ def score_text(
 ) -> tuple[TextGroups, dict[str, float]]:
     """Task rewards of each prompt's group of responses, and group advantages."""
     n = settings.samples_per_prompt
-    responses = decode_responses(rollouts.response_ids)
-    asked = [example for example in examples for _ in range(n)]
-    rewards = torch.tensor([
-        task.reward(p, a, r) for (p, a), r in zip(asked, responses, strict=True)
-    ])  # fmt: skip
+    rewards, metrics = task_rewards(task, examples, rollouts, n)
     advantages = group_advantages(rewards, n, settings.adv_scope, settings.adv_std_norm)
-    metrics = {
-        "reward_mean": float(rewards.mean()),
-        "reward_std": float(rewards.std()),
-        "response_len_mean": float(rollouts.response_mask.sum(dim=1).float().mean()),
-        "zero_std_group_ratio": float(zero_std_groups(rewards, n).float().mean()),
-    }
+    metrics["zero_std_group_ratio"] = float(zero_std_groups(rewards, n).float().mean())
     return TextGroups(rollouts, advantages), metrics
-
-
-def text_grpo_loss(
-    model: TinyLM, groups: TextGroups, settings: TextGRPOSettings
-) -> tuple[Tensor, dict[str, float]]:
-    """The clipped surrogate of the text track's responses, aggregated over tokens."""
-    rollouts = groups.rollouts
-    logp, entropy, _ = response_logprobs(
-        model, rollouts.sequences, rollouts.prompt_ids.shape[1], settings.temperature
-    )
-    per_token, clipped = clipped_surrogate(
-        logp, rollouts.logprobs, groups.advantages[:, None], settings.clip_low, settings.clip_high
-    )
-    mask = rollouts.response_mask.float()
-    tokens = mask.sum().clamp(min=1)
-    return aggregate(per_token, rollouts.response_mask, settings.loss_agg), {
-        "clip_ratio": float((clipped.float() * mask).sum() / tokens),
-        "entropy": float((entropy.detach() * mask).sum() / tokens),
-    }
 
 
 class UnifiedTrainer(UnifiedBase[UnifiedConfig]):
@@ -178,7 +147,9 @@ class UnifiedTrainer(UnifiedBase[UnifiedConfig]):
         self.model.train()
         if batch.window_pos == 0:
             self.optimizer.zero_grad(set_to_none=True)
-        text_loss, text_metrics = text_grpo_loss(self.model, text, cfg.text)
+        text_loss, text_metrics, _ = clipped_policy_loss(
+            self.model, text.rollouts, text.advantages[:, None], cfg.text
+        )
         (text_loss * cfg.text_weight / batch.window_size).backward()
         text_metrics["loss"] = float(text_loss.detach())
         image_metrics = image_backward(
