@@ -12,11 +12,11 @@ Two measurements, each on asyncio and trio, with ``loop.compute = "thread"``
 1. **Runtime cost per step** (µs): ``corun.run`` with :class:`NoopTrainer`, whose
    ``rollout`` and ``train_step`` return ``{}``. What is left is the template's
    own work per step: admission, the producer stream, thread hops, the trace,
-   ``metrics.jsonl`` and ``events.jsonl`` writes, the per-step RNG capture.
+   ``metrics.jsonl`` and ``events.jsonl`` writes.
 2. **SFT through run vs a plain loop** (ms): the SFT trainer at the
    ``configs/sft.toml`` size (sort task, d_model 128, batch 64, no eval) through
-   ``corun.run``, against a hand-written ``rollout → train_step`` for-loop
-   (``tests/test_sft_runtime.py::handwritten_loop`` without eval). Measurements
+   ``corun.run``, against a hand-written ``rollout → backward → step`` for-loop
+   (:func:`plain_intervals`). Measurements
    are interleaved ``plain, run, plain, run, ..., plain`` (the variants in a
    rotated order each repeat), so load and drift fall on both sides alike.
    ``overhead = median(run) / median(plain) - 1``, medians over the repeats. The
@@ -87,8 +87,8 @@ from benchmarks.overhead_report import (
     print_report,
 )
 from benchmarks.quiet import Guarded, Measure, OtherLoad, Request
-from corun.events import EVENTS_FILE, read_jsonl
-from trainers.sft import SFTTrainer
+from corun.events import EVENTS_FILE, read_records
+from trainers.lm.sft import SFTTrainer
 
 TORCH_THREADS = 2
 BACKENDS = ("asyncio", "trio")
@@ -106,7 +106,7 @@ QUICK = Settings("quick", 200, 1, sft_steps=10, sft_repeats=1, plain_between=Fal
 class NoopTrainer(corun.Trainer[corun.TrainerConfig]):
     """Hooks that do nothing, as plain functions: what is left is the runtime."""
 
-    def rollout(self, inputs: Any, step: int) -> dict[str, float]:
+    def rollout(self, inputs: Any, ctx: corun.RolloutContext) -> dict[str, float]:
         return {}
 
     def train_step(self, batch: corun.Batch) -> dict[str, float]:
@@ -133,7 +133,7 @@ def _config(run_dir: Path, trainer: dict[str, Any], steps: int, compute: str) ->
 
 def _step_intervals(run_dir: Path) -> list[float]:
     """Seconds between consecutive ``step`` events in events.jsonl."""
-    times = [r["t"] for r in read_jsonl(run_dir / EVENTS_FILE) if r["event"] == "step"]
+    times = [r["t"] for r in read_records(run_dir / EVENTS_FILE) if r["event"] == "step"]
     if len(times) < 2:
         raise RuntimeError(f"{run_dir}: fewer than two step events")
     return [b - a for a, b in pairwise(times)]
@@ -148,15 +148,22 @@ def run_intervals(
 
 
 def plain_intervals(config: corun.Config) -> list[float]:
-    """A hand-written loop (seed, build, rollout → train_step); its step-to-step intervals."""
+    """A hand-written loop (seed, build, then rollout → zero_grad → backward → clip → step,
+    the loss read as a number for logging); its step-to-step intervals."""
     corun.seed_everything(config.run.seed)
     trainer = SFTTrainer(config)
     trainer.setup(corun.SetupContext(config))
-    data = trainer.dataset()
+    data, seed, clip = trainer.dataset(), config.run.seed, trainer.config.grad_clip
     ends = []
-    for step in range(config.run.steps):
-        batch = trainer.rollout(data.batch(step), step)
-        trainer.train_step(batch)
+    for index in range(config.run.steps):
+        generator = corun.rollout_generator(seed, index, 0)
+        batch = trainer.rollout(data.batch(index), corun.RolloutContext(index, generator))
+        trainer.optimizer.zero_grad(set_to_none=True)
+        loss, _ = trainer.loss(batch, corun.Part())
+        loss.backward()
+        float(loss.detach())
+        torch.nn.utils.clip_grad_norm_(trainer.model.parameters(), clip)
+        trainer.optimizer.step()
         ends.append(time.perf_counter())
     return [b - a for a, b in pairwise(ends)]
 

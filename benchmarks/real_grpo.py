@@ -15,7 +15,7 @@ from itertools import pairwise
 from pathlib import Path
 from typing import Any
 
-from corun.events import EVENTS_FILE, read_jsonl
+from corun.events import EVENTS_FILE, read_records
 
 CONFIGS = ("configs/grpo.toml", "configs/grpo_async.toml")
 
@@ -26,13 +26,13 @@ def train(config: str, run_dir: Path, steps: int, eval_interval: int) -> dict[st
         f"run.steps={steps}", f"loop.eval_interval={eval_interval}", "log.progress=off",
     ]  # fmt: skip
     subprocess.run(command, check=True, env={**os.environ, "WANDB_MODE": "disabled"})
-    events = read_jsonl(run_dir / EVENTS_FILE)
+    events = read_records(run_dir / EVENTS_FILE)
     start = next(e["t"] for e in events if e["event"] == "baseline_eval")
     step_times = [e["t"] for e in events if e["event"] == "step"]
     eval_times = {e["step"]: e["t"] for e in events if e["event"] in ("eval", "baseline_eval")}
     rewards = {
         r["step"]: r["eval/reward"]
-        for r in read_jsonl(run_dir / "metrics.jsonl")
+        for r in read_records(run_dir / "metrics.jsonl")
         if "eval/reward" in r
     }
     return {

@@ -2,23 +2,22 @@
 
 A checkpoint is written under a temporary name and renamed into place after every
 file is flushed to disk, so a crash mid-write never leaves a directory that looks
-complete. It holds the trainer's tensors (``trainer.pt``, loaded with
-``weights_only=True``: no arbitrary objects are unpickled) and a small typed state
-(``state.json``): step, version, data cursor, RNG states, run id, config digest.
+complete. It holds the trainer's tensors (``trainer.pt``: ``{"trainer": its
+state_dict, "kept": runtime-side components}``, loaded with ``weights_only=True``: no
+arbitrary objects are unpickled) and a small typed state (``state.json``): step,
+version, data cursor, run id, config digest. No RNG state: every draw after set-up
+comes from generators seeded by position (corun/rng.py).
 """
 
 from __future__ import annotations
 
-import base64
 import os
-import random
 import re
 import shutil
 from pathlib import Path
 from typing import Any
 
 import msgspec
-import numpy as np
 import torch
 
 from corun.config import Config
@@ -27,70 +26,25 @@ from corun.errors import CheckpointError
 CHECKPOINTS_DIR = "checkpoints"
 STATE_FILE = "state.json"
 TENSORS_FILE = "trainer.pt"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # 1 held global RNG states and bare trainer tensors
 _STEP_DIR = re.compile(r"^step-(\d+)$")
 
 
-class RngState(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
-    python: list[Any]
-    numpy: list[Any]
-    torch: str  # base64 of torch.get_rng_state()
+class _Format(msgspec.Struct):
+    format: int
 
 
 class TrainerState(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     """What the runtime needs besides the trainer's tensors to continue a run exactly."""
 
     format: int
-    step: int  # optimizer steps completed
-    version: int  # weight version (== step for one update per step)
+    step: int  # rollout batches trained
+    version: int  # policy version: updates applied (step // loop.accumulate)
     data_cursor: int  # lowest data index not trained yet
-    rng: RngState
     run_id: str  # also the wandb run id, reattached on resume
     config_digest: str
     # Indexes above the cursor already trained (completion-order consumption only).
     trained_ahead: list[int] = []
-
-
-def seed_everything(seed: int) -> None:
-    """Seed python's, numpy's and torch's global RNGs, as ``run`` does before set-up."""
-    random.seed(seed)
-    np.random.seed(seed % 2**32)
-    torch.manual_seed(seed)
-
-
-def capture_rng() -> RngState:
-    version, internal, gauss = random.getstate()
-    name, keys, pos, has_gauss, cached = np.random.get_state(legacy=True)  # type: ignore[misc]
-    assert isinstance(keys, np.ndarray)
-    return RngState(
-        python=[version, list(internal), gauss],
-        numpy=[name, keys.tolist(), pos, has_gauss, cached],
-        torch=base64.b64encode(torch.get_rng_state().numpy().tobytes()).decode(),
-    )
-
-
-RawRng = tuple[Any, Any, torch.Tensor]
-
-
-def capture_rng_raw() -> RawRng:
-    """The global RNG states as the libraries give them: cheap enough to take every step."""
-    return random.getstate(), np.random.get_state(), torch.get_rng_state()
-
-
-def restore_rng_raw(raw: RawRng) -> None:
-    python, numpy, torch_state = raw
-    random.setstate(python)
-    np.random.set_state(numpy)
-    torch.set_rng_state(torch_state)
-
-
-def restore_rng(state: RngState) -> None:
-    version, internal, gauss = state.python
-    random.setstate((version, tuple(internal), gauss))
-    name, keys, pos, has_gauss, cached = state.numpy
-    np.random.set_state((name, np.array(keys, dtype=np.uint32), pos, has_gauss, cached))
-    raw = np.frombuffer(base64.b64decode(state.torch), dtype=np.uint8).copy()
-    torch.set_rng_state(torch.from_numpy(raw))
 
 
 def snapshot(tree: Any) -> Any:
@@ -204,13 +158,19 @@ def prune(run_dir: Path, keep: int) -> None:
 def read(path: Path) -> tuple[TrainerState, Any]:
     """Load and validate a checkpoint; any damage is a CheckpointError naming the file."""
     try:
-        state = msgspec.json.decode((path / STATE_FILE).read_bytes(), type=TrainerState)
+        raw = (path / STATE_FILE).read_bytes()
+        # The format first: another format's fields would read as damage.
+        found = msgspec.json.decode(raw, type=_Format).format
+        if found != FORMAT_VERSION:
+            raise CheckpointError(
+                f"{path / STATE_FILE}: checkpoint format {found}, this corun reads "
+                f"format {FORMAT_VERSION}"
+            )
+        state = msgspec.json.decode(raw, type=TrainerState)
     except OSError as exc:
         raise CheckpointError(f"{path / STATE_FILE}: cannot read ({exc.strerror})") from None
     except msgspec.DecodeError as exc:
         raise CheckpointError(f"{path / STATE_FILE}: damaged checkpoint state: {exc}") from None
-    if state.format != FORMAT_VERSION:
-        raise CheckpointError(f"{path / STATE_FILE}: unsupported format {state.format}")
     try:
         tensors = torch.load(path / TENSORS_FILE, map_location="cpu", weights_only=True)
     except FileNotFoundError:
@@ -218,6 +178,8 @@ def read(path: Path) -> tuple[TrainerState, Any]:
     except Exception as exc:  # torch raises many types for a truncated or foreign file
         first_line = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
         raise CheckpointError(f"{path / TENSORS_FILE}: damaged checkpoint: {first_line}") from None
+    if not (isinstance(tensors, dict) and isinstance(tensors.get("trainer"), dict)):
+        raise CheckpointError(f"{path / TENSORS_FILE}: not a corun checkpoint (no trainer state)")
     return state, tensors
 
 

@@ -23,12 +23,14 @@ from typing import Any, NoReturn
 import anyio
 
 from corun import procs
-from corun.config import Config, load_config, to_toml
+from corun.config import Config, to_toml
+from corun.config_file import load_config
 from corun.errors import UsageError
 from corun.events import EVENTS_FILE, EventLog
 from corun.loop import run
+from corun.registry import resolve_trainer
 from corun.teardown import RunControl
-from corun.trainer import Outcome, Trainer, resolve_trainer
+from corun.trainer import Outcome, Trainer
 
 EXIT_OK, EXIT_ERROR, EXIT_USAGE = 0, 1, 2
 _SIGNAL_EXIT = {"SIGINT": 130, "SIGTERM": 143}

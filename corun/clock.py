@@ -1,13 +1,18 @@
-"""The version clock: steps, weight versions, the data cursor, and rollout admission.
+"""The version clock: steps, policy versions, the data cursor, and rollout admission.
 
-``version`` counts optimizer steps applied; ``published`` is the version the
-rollout engine holds. Each admitted rollout takes a *slot*: its expected place in
+``version`` is the policy version of the trained weights: updates applied (one per
+window of ``accumulate`` steps, however many optimizer steps it takes); ``published``
+is the version the rollout engine holds. Each admitted rollout takes a *slot*: its expected place in
 training order (slots of dropped batches are given back). A rollout is admitted
 when fewer than ``concurrency`` slots are ahead of the last completed step, and
 when the batch it makes would be at most ``max_staleness`` versions old if trained
 in its slot. In start order every batch trains in its slot, so no batch is ever
 over the bound; in completion order a slow batch can be overtaken, and the loop
 drops it (``dropped``) and its data index is generated again.
+
+Under ``version_schedule = "fixed"`` the rollout of slot ``i`` uses exactly the
+version :meth:`Clock.scheduled_version` assigns it — a function of ``i`` and the
+settings, never of timing — which admission guarantees is published by then.
 
 The data cursor is exact in both orders: ``cursor`` is the lowest index not yet
 trained and ``trained_ahead`` the indexes above it that were (completion order
@@ -18,7 +23,6 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from typing import Any
 
 import anyio
 
@@ -29,9 +33,11 @@ from corun.config import LoopConfig
 class Clock:
     concurrency: int
     max_staleness: int  # in versions
-    accumulate: int = 1  # steps per version (optimizer update)
+    accumulate: int = 1  # steps per version (update)
+    sync_every: int = 1  # steps per publish (a multiple of accumulate)
+    fixed_schedule: bool = False
     step: int = 0  # steps trained (rollout batches consumed)
-    version: int = 0  # weight version: optimizer updates applied, step // accumulate
+    version: int = 0  # policy version: updates applied, step // accumulate
     published: int = 0  # version the rollout engine holds
     cursor: int = 0  # lowest data index not yet trained
     trained_ahead: set[int] = field(default_factory=set)  # trained indexes above it
@@ -39,6 +45,10 @@ class Clock:
     slots: int = 0  # rollouts admitted, less those dropped: the next one's place in order
     dropped: int = 0  # batches over the staleness bound, never trained
     _changed: anyio.Event = field(default_factory=anyio.Event)
+
+    def __post_init__(self) -> None:
+        # Where the current window started: a save in mid-window goes back to it.
+        self.window_start = self.position()
 
     @classmethod
     def start(
@@ -48,6 +58,8 @@ class Clock:
             concurrency=loop.concurrency,
             max_staleness=loop.staleness_bound,
             accumulate=loop.accumulate,
+            sync_every=loop.sync_every,
+            fixed_schedule=loop.version_schedule == "fixed",
             step=step,
             version=version,
             published=version,
@@ -57,20 +69,29 @@ class Clock:
             slots=step,
         )
 
-    @property
-    def version_published(self) -> int:
-        return self.published
-
     def admissible(self) -> bool:
         ahead = self.slots - self.done
         staleness = self.slots // self.accumulate - self.published  # version it trains at
+        if self.fixed_schedule and self.published < self.scheduled_version(self.slots):
+            return False
         return ahead < self.concurrency and staleness <= self.max_staleness
 
-    async def admit(self) -> None:
-        """Wait until another rollout may start, and take its slot."""
+    async def admit(self) -> int:
+        """Wait until another rollout may start; take its slot and return it."""
         while not self.admissible():
             await self._changed.wait()
         self.slots += 1
+        return self.slots - 1
+
+    def scheduled_version(self, slot: int) -> int:
+        """The version the rollout of ``slot`` uses under the fixed schedule: the newest
+        one admission can always have published by then (after step ``slot -
+        concurrency + 1``), raised to the oldest one the staleness bound allows."""
+        per_publish = self.sync_every // self.accumulate  # versions between publishes
+        earliest = max(0, slot - self.concurrency + 1)
+        published = earliest // self.sync_every * per_publish
+        oldest_allowed = max(0, slot // self.accumulate - self.max_staleness)
+        return max(published, -(-oldest_allowed // per_publish) * per_publish)
 
     def release(self) -> None:
         """Give back a slot taken by a rollout that did not start."""
@@ -88,16 +109,17 @@ class Clock:
 
     def trained(self, index: int) -> None:
         self.step += 1
-        if self.step % self.accumulate == 0:
-            self.version += 1
         self.trained_ahead.add(index)
         while self.cursor in self.trained_ahead:
             self.trained_ahead.remove(self.cursor)
             self.cursor += 1
+        if self.step % self.accumulate == 0:
+            self.version += 1
+            self.window_start = self.position()
 
-    def position(self, rng: Any) -> Position:
-        """Where training stands now, with the RNG state to resume it from."""
-        return Position(self.step, self.version, self.cursor, frozenset(self.trained_ahead), rng)
+    def position(self) -> Position:
+        """Where training stands now."""
+        return Position(self.step, self.version, self.cursor, frozenset(self.trained_ahead))
 
     def rewind(self, position: Position) -> None:
         """Back to ``position`` (teardown only: a save-on-interrupt in mid-window)."""
@@ -109,7 +131,8 @@ class Clock:
         """Batches admitted and not yet trained, counting the one in the current step."""
         return self.slots - self.done
 
-    def published_version(self, version: int) -> None:
+    def publish(self, version: int) -> None:
+        """The rollout engine now holds ``version``."""
         self.published = version
         self._notify()
 
@@ -128,7 +151,6 @@ class Position:
     version: int
     cursor: int
     trained_ahead: frozenset[int]
-    rng: Any
 
 
 @dataclass

@@ -21,7 +21,7 @@ import queue
 import threading
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
-from typing import Any, Generic, Literal, TypeVar
+from typing import Any, Generic, Literal, TypeVar, cast
 
 import anyio
 import sniffio
@@ -120,12 +120,12 @@ class Lane:
             with anyio.CancelScope(shield=True):
                 await done.wait()
             if call.error is None:
-                return call.result  # completed: the cancellation comes at the next await
+                return cast(T, call.result)  # completed: the cancellation comes at the next await
             if isinstance(call.error, LaneCancelled):
                 raise
         if call.error is not None:
             raise call.error
-        return call.result
+        return cast(T, call.result)
 
     def _start(self) -> None:
         if self._thread is None:

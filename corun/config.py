@@ -1,10 +1,9 @@
 """Configuration: TOML decoded by msgspec into frozen Structs.
 
 Every section forbids unknown fields, so a typo (`loop.concurency`) is an error that
-names the place instead of a setting silently ignored. `[trainer]` is validated in
-two passes: `kind` picks the trainer class, whose own `Config` Struct then decodes
-the rest of the table. Command-line overrides (`KEY.PATH=VALUE`) are applied to the
-raw TOML tables before decoding, so they get the same checks as the file.
+names the place instead of a setting silently ignored. Reading a file, applying
+command-line overrides and decoding `[trainer]` with the trainer's own Struct live in
+corun/config_file.py.
 """
 
 from __future__ import annotations
@@ -45,16 +44,26 @@ class LoopConfig(Section, frozen=True, forbid_unknown_fields=True, kw_only=True)
     # Rollout batches generated or buffered ahead of the trainer; 1 = synchronous.
     concurrency: PositiveInt = 1
     # A batch made with weights more than this many versions old is never trained on.
-    # Unset: (concurrency - 1) + (sync_interval - 1), the lag the pipeline has anyway.
+    # Unset: the lag that concurrency and sync_interval cause anyway (staleness_bound).
     max_staleness: NonNegativeInt | None = None
     # Steps per weight publish to the rollout engine; unset: every update (every
     # `accumulate` steps).
     sync_interval: PositiveInt | None = None
-    # Rollout batches (steps) per optimizer update: a window of this many train_step
-    # calls accumulates gradients and the last one applies them. Sync, eval and save
-    # intervals and run.steps must then be multiples of it (weights change only at
-    # window ends). Counts of versions (max_staleness) are in optimizer updates.
+    # Rollout batches (steps) per update: a window of this many batches accumulates
+    # gradients and the update is applied at its end, advancing the policy version by
+    # one. Sync, eval and save intervals and run.steps must then be multiples of it
+    # (weights change only at window ends). max_staleness counts versions.
     accumulate: PositiveInt = 1
+    # Optimizer steps per update: each on a disjoint slice (mini-batch) of every batch
+    # of the window. The version still advances once per update.
+    mini_batches: PositiveInt = 1
+    # Which weights a rollout uses when concurrency > 1. "free": the latest published
+    # (highest throughput; timing decides the version, so runs are not reproducible).
+    # "fixed": the version a schedule assigns to its data index (a function of the
+    # index, concurrency, accumulate, sync_interval and max_staleness): two runs with
+    # the same seed are bitwise equal whatever the timings, and so is a resumed one.
+    # Needs order = "start"; checkpoints then hold the older weights still scheduled.
+    version_schedule: Literal["free", "fixed"] = "free"
     # Rollout workers, each on its own compute lane, when concurrency > 1 (at
     # concurrency 1 rollouts share the train lane: generate and train never overlap).
     workers: PositiveInt = 1
@@ -95,6 +104,11 @@ class LoopConfig(Section, frozen=True, forbid_unknown_fields=True, kw_only=True)
                 "rollout could ever be admitted"
             )
 
+        if self.version_schedule == "fixed" and self.order != "start":
+            raise ValueError(
+                '`version_schedule` = "fixed" needs `order` = "start": in completion order '
+                "timing decides which batch trains when"
+            )
         if self.workers > self.concurrency:
             raise ValueError(
                 f"`workers` = {self.workers} exceeds `concurrency` = {self.concurrency}: no more "
@@ -110,7 +124,7 @@ class LoopConfig(Section, frozen=True, forbid_unknown_fields=True, kw_only=True)
 
     @property
     def staleness_bound(self) -> int:
-        """In optimizer updates (versions): by default the lag the pipeline has anyway."""
+        """In versions: by default the lag that concurrency and sync_interval cause."""
         if self.max_staleness is not None:
             return self.max_staleness
         ahead = -(-(self.concurrency - 1) // self.accumulate)  # windows the queue spans
@@ -173,82 +187,7 @@ class Config(Section, frozen=True, forbid_unknown_fields=True, kw_only=True):
         return hashlib.sha256(msgspec.json.encode(stable)).hexdigest()[:16]
 
 
-# ----------------------------------------------------------------------------- loading
-
-
-def load_config(path: str | Path, overrides: list[str] | tuple[str, ...] = ()) -> Config:
-    """Read, override and validate a config file; raise ConfigError with one clear line."""
-    path = Path(path)
-    try:
-        raw = tomllib.loads(path.read_text())
-    except FileNotFoundError:
-        raise ConfigError(f"{path}: config file not found") from None
-    except OSError as exc:
-        raise ConfigError(f"{path}: cannot read config ({exc.strerror})") from None
-    except tomllib.TOMLDecodeError as exc:
-        raise ConfigError(f"{path}: malformed TOML: {exc}") from None
-    except UnicodeDecodeError:
-        raise ConfigError(f"{path}: not a UTF-8 text file") from None
-    for override in overrides:
-        apply_override(raw, override)
-    return config_from_dict(raw, source=str(path), overrides=overrides)
-
-
-def config_from_dict(
-    raw: dict[str, Any], source: str = "<config>", overrides: list[str] | tuple[str, ...] = ()
-) -> Config:
-    from corun.trainer import resolve_trainer  # the registry imports config types
-
-    def fail(exc: msgspec.ValidationError, prefix: str = "") -> ConfigError:
-        message = str(exc).replace("`$", f"`${prefix}")
-        if " - at `$" not in message:  # msgspec names no path for the top level
-            message += f" - at `${prefix}`"
-        culprit = _override_for(message, overrides)
-        return ConfigError(f"{source}: {message}{culprit}")
-
-    trainer_raw = raw.get("trainer")
-    if not isinstance(trainer_raw, dict) or not isinstance(trainer_raw.get("kind"), str):
-        raise ConfigError(
-            f"{source}: Expected `str` at `$.trainer.kind`: a [trainer] table with kind = "
-            '"<registered name>" or "package.module:Class" is required'
-        )
-    trainer_cls = resolve_trainer(trainer_raw["kind"], where=f"{source}: `$.trainer.kind`")
-    try:
-        trainer_config = msgspec.convert(trainer_raw, trainer_cls.Config)
-    except msgspec.ValidationError as exc:
-        raise fail(exc, ".trainer") from None
-    try:
-        config = msgspec.convert({**raw, "trainer": {"kind": trainer_raw["kind"]}}, Config)
-    except msgspec.ValidationError as exc:
-        raise fail(exc) from None
-    accumulate = config.loop.accumulate
-    if config.run.steps % accumulate:
-        raise ConfigError(
-            f"{source}: `$.run.steps` = {config.run.steps} is not a multiple of "
-            f"`loop.accumulate` = {accumulate}: a run ends at the end of a window"
-            + _override_for("`$.run.steps`", overrides)
-        )
-    if accumulate > 1 and not trainer_cls.accumulates:
-        raise ConfigError(
-            f"{source}: `$.loop.accumulate` = {accumulate}: trainer {trainer_raw['kind']!r} "
-            "applies an update every step and cannot accumulate windows"
-            + _override_for("`$.loop.accumulate`", overrides)
-        )
-    return msgspec.structs.replace(config, trainer=trainer_config)
-
-
-def _override_for(message: str, overrides: list[str] | tuple[str, ...]) -> str:
-    """Name the override that caused a validation error, when one clearly did."""
-    keys = [(override, override.split("=", 1)[0].strip()) for override in overrides]
-    for override, key in keys:
-        if f"`$.{key}`" in message:
-            return f" (from override {override!r})"
-    for override, key in keys:
-        table, _, leaf = key.rpartition(".")
-        # An error about a table (unknown field, a cross-field check) names the key.
-        if table and f"`$.{table}`" in message and f"`{leaf}`" in message:
-            return f" (from override {override!r})"
-    return ""
+# ----------------------------------------------------------------------------- overrides
 
 
 def apply_override(raw: dict[str, Any], override: str) -> None:

@@ -157,6 +157,6 @@ class Trace:
             self._file = None
 
 
-def read_jsonl(path: str | Path) -> list[dict[str, Any]]:
-    """Read back a run-directory JSON-lines file (tests, tools)."""
+def read_records(path: str | Path) -> list[dict[str, Any]]:
+    """Read back a run-directory JSON-lines file: events, metrics (tests, tools)."""
     return [msgspec.json.decode(line) for line in Path(path).read_bytes().splitlines() if line]

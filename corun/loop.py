@@ -2,10 +2,10 @@
 
 The life of a run, top to bottom:
 
-    read the resume checkpoint → start logging → seed → set up the trainer →
-    restore (trainer state, RNG, data cursor; the first step then syncs) →
-    baseline eval → per step: rollout (a producer task) → train step → log →
-    sync gate → periodic eval → save → teardown (reverse set-up order) → end
+    read the resume checkpoint → prerequisite runs → start logging → seed → set up
+    the trainer → restore (trainer state, data cursor; the first step then syncs) →
+    baseline eval → per step: rollout (a producer task) → update → log → sync →
+    eval → save, each when the cadence says → teardown (reverse set-up order) → end
 
 Rollouts are produced by a task that feeds the trainer through a stream; admission
 (``Clock.admit``) decides when the next rollout may start. With ``concurrency = 1``
@@ -27,25 +27,22 @@ from typing import Any, TypeVar
 import anyio
 import anyio.to_thread
 
-from corun import checkpoint, pipeline
+from corun import checkpoint, prerequisites
+from corun.cadence import Cadence
+from corun.checkpointer import Checkpointer
 from corun.clock import Clock, IdleTimes
 from corun.compute import Lane, call_hook
-from corun.config import Config, load_config
+from corun.config import Config
+from corun.config_file import load_config
 from corun.errors import CheckpointError, first_error, is_cancellation
 from corun.events import EventLog, Trace
 from corun.producer import Producer
+from corun.registry import resolve_trainer
 from corun.reporting import Reporter
+from corun.rng import seed_everything
 from corun.teardown import RunControl, Teardown
-from corun.trainer import (
-    Batch,
-    Image,
-    Outcome,
-    SetupContext,
-    Trainer,
-    overrides,
-    resolve_trainer,
-)
-from corun.writer import CheckpointWriter
+from corun.trainer import Batch, Image, Outcome, SetupContext, Stateful, Trainer, overrides
+from corun.update import Updater
 
 T = TypeVar("T")
 
@@ -63,20 +60,16 @@ async def run(
     restored = await _blocking(config, checkpoint.read, resume_from) if resume_from else None
     config.run_dir.mkdir(parents=True, exist_ok=True)
     checkpoint.remove_partial_writes(config.run_dir)
-    session = _Session(trainer, config, control, restored)
-    return await session.run()
+    return await _Session(trainer, config, control, restored).run()
 
 
 class _Session:
     """One run's components; ``run`` is the template, the rest are its named steps."""
 
     def __init__(
-        self,
-        trainer: Trainer[Any],
-        config: Config,
-        control: RunControl,
+        self, trainer: Trainer[Any], config: Config, control: RunControl,
         restored: tuple[checkpoint.TrainerState, Any] | None,
-    ) -> None:
+    ) -> None:  # fmt: skip
         self.trainer = trainer
         self.config = config
         self.control = control
@@ -92,17 +85,15 @@ class _Session:
             cursor=state.data_cursor if state else 0,
             trained_ahead=state.trained_ahead if state else [],
         )
+        self.cadence = Cadence.of(config)
         self.events = EventLog(self.run_dir)
         self.trace = Trace(self.run_dir)
+        loop = config.loop
         self.teardown = Teardown(
-            self.events,
-            control,
-            config.run.teardown_timeout_s,
-            inline=config.loop.compute == "inline",
+            self.events, control, config.run.teardown_timeout_s, inline=loop.compute == "inline"
         )
         # At concurrency 1 rollout and training share the thread, in order (exactly a
         # hand-written loop); above it, each rollout worker has a lane of its own.
-        loop = config.loop
         threads = loop.lane_threads
         self.train_lane = Lane("train", loop.compute, threads)
         self.rollout_lanes = (
@@ -110,14 +101,13 @@ class _Session:
             if loop.concurrency == 1
             else [Lane(f"rollout-{i}", loop.compute, threads) for i in range(loop.workers)]
         )
-        self.reporter: Reporter | None = None
-        self.last_saved = self.clock.step if restored else -1
-        self.boundary_rng = checkpoint.capture_rng_raw()
-        self.window_start = self.clock.position(self.boundary_rng)
-        self.writer = CheckpointWriter(
-            self.run_dir, config.checkpoint.keep, self.events, self.trace, control,
-            lambda fn, *args: _blocking(config, fn, *args),
+        self.reporter = Reporter(config, self.run_dir, self.clock.step if restored else 0)
+        self.kept: dict[str, Stateful] = {}
+        self.checkpointer = Checkpointer(
+            config, self.run_id, self.clock, self.events, self.trace, control, self.train_lane,
+            self._state, lambda fn, *args: _blocking(config, fn, *args), resumed=bool(restored),
         )  # fmt: skip
+        self.updater: Updater | None = None  # for a trainer that supplies a loss
         self.outcome: Outcome | None = None
 
     # ------------------------------------------------------------------ the template
@@ -125,7 +115,7 @@ class _Session:
     async def run(self) -> Outcome:
         failure: BaseException | None = None
         async with anyio.create_task_group() as background:  # checkpoint writes
-            self.writer.attach(background)
+            self.checkpointer.attach(background)
             try:
                 with anyio.CancelScope() as root:
                     self.control.bind(root)
@@ -134,7 +124,7 @@ class _Session:
                     await self._train_steps()
             except BaseException as exc:  # a training error, or the host's cancellation
                 failure = exc
-            failure = failure or self.writer.error
+            failure = failure or self.checkpointer.error
             self.outcome = self._outcome(failure)
             self.teardown.step = self.clock.step
             self.events.emit("teardown:stop", self.clock.step, status="ok")
@@ -150,52 +140,52 @@ class _Session:
         assert self.outcome is not None
         return self.outcome
 
-    def _end(self, outcome: Outcome) -> None:
-        fields: dict[str, Any] = {"reason": outcome.reason}
-        if outcome.signal:
-            fields["signal"] = outcome.signal
-        if outcome.error is not None:
-            fields["error"] = f"{type(outcome.error).__name__}: {outcome.error}"
-        self.events.emit("end", self.clock.step, **fields)
-        self.events.close()
-
     async def _setup(self) -> None:
-        config, trainer = self.config, self.trainer
-        self.teardown.push("on_train_end", self._on_train_end)
+        config, trainer, teardown = self.config, self.trainer, self.teardown
+        teardown.push("on_train_end", self._on_train_end)
         self.events.emit(
-            "start",
-            self.clock.step,
-            run_id=self.run_id,
-            resumed=self.restored is not None,
-            steps=config.run.steps,
-            config_digest=config.digest(),
-        )
+            "start", self.clock.step, run_id=self.run_id, resumed=self.restored is not None,
+            steps=config.run.steps, config_digest=config.digest(),
+        )  # fmt: skip
         # Before this run's progress display starts: a prerequisite shows its own.
         for prerequisite in trainer.prerequisites():
             await self._prerequisite(Path(prerequisite))
-        self.reporter = Reporter(config, self.run_dir, self.clock.step if self.restored else 0)
-        self.teardown.push("logging", self._close_logging)
-        checkpoint.seed_everything(config.run.seed)
-        ctx = SetupContext(config, register=self.teardown.push)
+        self.reporter.start()
+        teardown.push("logging", self.reporter.close)
+        seed_everything(config.run.seed)  # model init draws from the global RNGs
+        ctx = SetupContext(config, register=teardown.push)
         with self.trace.span("setup", "trainer"):
             await call_hook(self.train_lane, trainer.setup, ctx)
         self.events.emit("setup", self.clock.step)
+        self.kept = ctx.kept
+        self.updater = self._updater(ctx)
         self.dataset = trainer.dataset()
         if self.restored is not None:
             await self._restore(*self.restored)
-            if self.clock.step < config.run.steps:
-                self.reporter.progress.note(
-                    f"corun: resuming {self.run_dir} from step {self.clock.step} of "
-                    f"{config.run.steps}"
-                )
         self.reporter.start_wandb(self.run_id, trainer.wandb_extra())
-        self.teardown.push("checkpoints", self.writer.drain)
-        self.teardown.push("save", self._save_on_interrupt, optional=True)
+        teardown.push("checkpoints", self.checkpointer.drain)
+        teardown.push("save", self._save_on_interrupt, optional=True)
+
+    def _updater(self, ctx: SetupContext) -> Updater | None:
+        """The update protocol around the trainer's loss (unless it owns train_step)."""
+        trainer = self.trainer
+        if overrides(trainer, "train_step") or not overrides(trainer, "loss"):
+            return None
+        if not ctx.optimizers:
+            raise TypeError(
+                f"{type(trainer).__name__} defines a loss but registers no optimizer "
+                "(ctx.add_optimizer in setup)"
+            )
+        loop = self.config.loop
+        return Updater(
+            trainer, ctx.optimizers, window=loop.accumulate, mini_batches=loop.mini_batches,
+            seed=self.config.run.seed,
+        )  # fmt: skip
 
     async def _prerequisite(self, path: Path) -> None:
         """Train a run this one starts from, unless it is complete already."""
         config = load_config(path)
-        done = pipeline.final_checkpoint(config)
+        done = prerequisites.final_checkpoint(config)
         self.events.emit("prerequisite", self.clock.step, config=str(path), reused=bool(done))
         if done is None:
             trainer = resolve_trainer(config.trainer.kind)(config)
@@ -203,16 +193,21 @@ class _Session:
 
     async def _restore(self, state: checkpoint.TrainerState, tensors: Any) -> None:
         try:
-            await call_hook(self.train_lane, self.trainer.load_state_dict, tensors)
+            await call_hook(self.train_lane, self.trainer.load_state_dict, tensors["trainer"])
+            for name, component in self.kept.items():
+                component.load_state_dict(tensors.get("kept", {})[name])
         except (KeyError, ValueError, RuntimeError, TypeError) as exc:
             raise CheckpointError(
                 f"checkpoint step-{state.step} does not fit this trainer: {exc}"
             ) from None
-        checkpoint.restore_rng(state.rng)
-        self.boundary_rng = checkpoint.capture_rng_raw()
         if state.config_digest != self.config.digest():
             self.events.emit("config_changed", state.step, was=state.config_digest)
         self.events.emit("restore", state.step, version=state.version, cursor=state.data_cursor)
+        if self.clock.step < self.config.run.steps:
+            self.reporter.progress.note(
+                f"corun: resuming {self.run_dir} from step {self.clock.step} of "
+                f"{self.config.run.steps}"
+            )
 
     async def _baseline_eval(self) -> None:
         if self.config.loop.baseline_eval and not self.restored:
@@ -221,7 +216,6 @@ class _Session:
     async def _train_steps(self) -> None:
         """Producer task → stream → train steps, until the step budget is spent."""
         if self.clock.step >= self.config.run.steps:
-            assert self.reporter is not None
             self.reporter.progress.note(
                 f"corun: {self.run_dir} is complete ({self.clock.step} steps): nothing to do; "
                 "raise run.steps to continue, or set run.dir to start a new run"
@@ -234,7 +228,7 @@ class _Session:
         async with anyio.create_task_group() as producers:
             producer = Producer(
                 self.trainer, self.dataset, self.rollout_lanes, self.clock, self.idle,
-                self.trace, loop.order, stop=self.config.run.steps,
+                self.trace, self.config, stop=self.config.run.steps,
             )  # fmt: skip
             producers.start_soon(producer.run, send)
             async with receive:
@@ -247,7 +241,7 @@ class _Session:
                     self.idle.trainer_s += time.monotonic() - waiting
                     if self.clock.is_stale(batch.version):
                         self._drop(batch)
-                        producer.requeue(batch.step)
+                        producer.requeue(batch.index)
                     else:
                         await self._train_one(batch)
             producers.cancel_scope.cancel()
@@ -256,53 +250,62 @@ class _Session:
         """Overtaken in completion order: too stale to train on; its index is redone."""
         self.clock.drop()
         self.events.emit(
-            "drop", self.clock.step, index=batch.step, staleness=self.clock.step - batch.version
+            "drop", self.clock.step, index=batch.index, staleness=self.clock.step - batch.version
         )
 
     # ------------------------------------------------------------------ one step
 
     async def _train_one(self, batch: Batch) -> None:
-        clock, loop = self.clock, self.config.loop
         started = time.monotonic()
-        staleness = clock.version - batch.version
-        batch.window_pos, batch.window_size = clock.step % loop.accumulate, loop.accumulate
-        with self.trace.span("train", "trainer", step=clock.step + 1):
-            metrics = dict(await call_hook(self.train_lane, self.trainer.train_step, batch))
+        staleness = self.clock.version - batch.version
+        metrics = await self._update(batch)
         # The update has been applied: record it before any further await, so a
         # cancellation from here on cannot lose the step's bookkeeping.
-        clock.trained(batch.step)
-        self.teardown.step = step = clock.step
+        self.clock.trained(batch.index)
+        self.teardown.step = step = self.clock.step
+        self._log_step(batch, metrics, staleness, time.monotonic() - started)
+        if self.cadence.syncs(step):
+            await self._sync()
+        if self.cadence.evaluates(step):
+            await self._evaluate("eval", self.trainer.evaluate_periodic, step)
+        if self.cadence.saves(step):
+            await self.checkpointer.save()
+        self.clock.completed()
+
+    async def _update(self, batch: Batch) -> dict[str, Any]:
+        with self.trace.span("train", "trainer", step=self.clock.step + 1):
+            if self.updater is not None:
+                window_pos = self.cadence.window_pos(self.clock.step)
+                return await self.train_lane.run(self.updater.train, batch, window_pos)
+            if overrides(self.trainer, "train_step"):
+                return dict(await call_hook(self.train_lane, self.trainer.train_step, batch))
+            return {}
+
+    def _log_step(
+        self, batch: Batch, metrics: dict[str, Any], staleness: int, train_s: float
+    ) -> None:
         metrics.update(batch.metrics)
-        metrics["perf/train_time_s"] = time.monotonic() - started
+        metrics["perf/train_time_s"] = train_s
         metrics.update(self.idle.take())
-        if loop.concurrency > 1:
+        if self.config.loop.concurrency > 1:
             # One batch per step: its staleness is the step's mean and max.
             metrics["async/staleness_mean"] = metrics["async/staleness_max"] = float(staleness)
-            metrics["async/inflight"] = float(clock.inflight)
-            metrics["async/dropped"] = float(clock.dropped)
-        self._log(step, metrics)
-        self.events.emit("step", step, version=clock.version)
-        if clock.step % loop.sync_every == 0:
-            await self._sync()
-        if loop.eval_interval and (step % loop.eval_interval == 0 or step == self.config.run.steps):
-            await self._evaluate("eval", self.trainer.evaluate_periodic, step)
-        if (loop.save_interval and step % loop.save_interval == 0) or step == self.config.run.steps:
-            await self._save()
-        self.boundary_rng = checkpoint.capture_rng_raw()
-        if step % loop.accumulate == 0:
-            self.window_start = clock.position(self.boundary_rng)
-        clock.completed()
+            metrics["async/inflight"] = float(self.clock.inflight)
+            metrics["async/dropped"] = float(self.clock.dropped)
+        self._log(self.clock.step, metrics)
+        self.events.emit("step", self.clock.step, version=self.clock.version)
 
     async def _sync(self, forced: bool = False) -> None:
+        version = self.clock.version
         if not overrides(self.trainer, "sync_weights"):
-            self.clock.published_version(self.clock.version)
+            self.clock.publish(version)
             return
         started = time.monotonic()
-        with self.trace.span("sync", "trainer", version=self.clock.version):
-            await call_hook(self.train_lane, self.trainer.sync_weights, self.clock.version)
-        self.clock.published_version(self.clock.version)
+        with self.trace.span("sync", "trainer", version=version):
+            await call_hook(self.train_lane, self.trainer.sync_weights, version)
+        self.clock.publish(version)
         fields = {"forced": True} if forced else {}
-        self.events.emit("sync", self.clock.step, version=self.clock.version, **fields)
+        self.events.emit("sync", self.clock.step, version=version, **fields)
         self._log(self.clock.step, {"perf/sync_time_s": time.monotonic() - started})
 
     async def _evaluate(self, event: str, hook: Any, *args: Any) -> None:
@@ -314,58 +317,17 @@ class _Session:
         self.events.emit(event, self.clock.step)
 
     def _log(self, step: int, metrics: Mapping[str, float | Image]) -> None:
-        assert self.reporter is not None
         self.reporter.log(step, metrics)
 
-    # ------------------------------------------------------------------ checkpoints
+    # ------------------------------------------------------------------ state and end
 
-    async def _save(self) -> None:
-        """Snapshot now (the weights keep training), write in the background."""
-        with self.trace.span("snapshot", "trainer"):
-            tensors = await self.train_lane.run(_snapshot_of, self.trainer)
-        state = checkpoint.TrainerState(
-            format=checkpoint.FORMAT_VERSION,
-            step=self.clock.step,
-            version=self.clock.version,
-            data_cursor=self.clock.cursor,
-            trained_ahead=sorted(self.clock.trained_ahead),
-            rng=checkpoint.capture_rng(),
-            run_id=self.run_id,
-            config_digest=self.config.digest(),
-        )
-        self.last_saved = self.clock.step
-        self.events.emit(
-            "save", state.step, path=str(checkpoint.step_dir(self.run_dir, state.step))
-        )
-        self.writer.submit(tensors, state)
+    def _state(self) -> dict[str, Any]:
+        """What a checkpoint holds (live references; the checkpointer snapshots them)."""
+        kept = {name: component.state_dict() for name, component in self.kept.items()}
+        return {"trainer": self.trainer.state_dict(), "kept": kept}
 
     async def _save_on_interrupt(self) -> None:
-        if (
-            self.outcome is not None
-            and self.outcome.reason == "interrupted"
-            and self.config.loop.save_on_interrupt
-            and self.clock.step > max(self.last_saved, 0)
-        ):
-            # Rollouts after the last completed step consumed RNG: save the state
-            # captured at that step's boundary, so resuming replays them exactly.
-            rng_now = checkpoint.capture_rng_raw()
-            if self.clock.step % self.config.loop.accumulate:
-                # Mid-window: the weights are those of the window's start; so is the save.
-                self.clock.rewind(self.window_start)
-                self.boundary_rng = self.window_start.rng
-                if self.clock.step <= max(self.last_saved, 0):
-                    return
-            checkpoint.restore_rng_raw(self.boundary_rng)
-            try:
-                await self._save()
-            finally:
-                checkpoint.restore_rng_raw(rng_now)
-
-    # ------------------------------------------------------------------ end
-
-    def _close_logging(self) -> None:
-        assert self.reporter is not None
-        self.reporter.close()
+        await self.checkpointer.save_on_interrupt(self.outcome)
 
     async def _on_train_end(self) -> None:
         assert self.outcome is not None
@@ -382,9 +344,14 @@ class _Session:
             return Outcome("interrupted", step, signal=self.control.signal)
         return Outcome("cancelled", step)
 
-
-def _snapshot_of(trainer: Trainer[Any]) -> Any:
-    return checkpoint.snapshot(trainer.state_dict())
+    def _end(self, outcome: Outcome) -> None:
+        fields: dict[str, Any] = {"reason": outcome.reason}
+        if outcome.signal:
+            fields["signal"] = outcome.signal
+        if outcome.error is not None:
+            fields["error"] = f"{type(outcome.error).__name__}: {outcome.error}"
+        self.events.emit("end", self.clock.step, **fields)
+        self.events.close()
 
 
 async def _blocking(config: Config, fn: Callable[..., T], *args: Any) -> T:

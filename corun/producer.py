@@ -13,17 +13,17 @@ from __future__ import annotations
 import heapq
 import inspect
 import time
-from typing import Any, Literal
+from typing import Any
 
 import anyio.abc
 
 from corun.clock import Clock, IdleTimes
 from corun.compute import Lane
+from corun.config import Config
 from corun.data import Dataset
 from corun.events import Trace
-from corun.trainer import Batch, Trainer
-
-Order = Literal["start", "completion"]
+from corun.rng import rollout_generator
+from corun.trainer import Batch, RolloutContext, Trainer
 
 
 class Producer:
@@ -32,11 +32,16 @@ class Producer:
     ``order = "start"`` hands batches on in index order, whatever order the workers
     finish in (deterministic; the cursor stays a prefix). ``"completion"`` hands each
     on as soon as it is done (the trainer never waits behind a slow rollout).
+
+    Each rollout gets a :class:`RolloutContext`: its generator is seeded by (run seed,
+    index, attempt), where ``attempt`` counts the index's earlier starts (a dropped
+    batch is redone with fresh draws); under the fixed version schedule it also names
+    the version to generate with.
     """
 
     def __init__(
         self, trainer: Trainer[Any], dataset: Dataset, lanes: list[Lane], clock: Clock,
-        idle: IdleTimes, trace: Trace, order: Order, stop: int,
+        idle: IdleTimes, trace: Trace, config: Config, stop: int,
     ) -> None:  # fmt: skip
         self.trainer = trainer
         self.dataset = dataset
@@ -44,7 +49,9 @@ class Producer:
         self.clock = clock
         self.idle = idle
         self.trace = trace
-        self.order = order
+        self.order = config.loop.order
+        self.seed = config.run.seed
+        self.fixed_schedule = config.loop.version_schedule == "fixed"
         self.stop = stop  # one past the last data index of the run
         # An async rollout (an engine behind I/O) runs on the loop, with no thread hop.
         self.rollout_is_async = inspect.iscoroutinefunction(trainer.rollout)
@@ -52,6 +59,7 @@ class Producer:
         self._requeued: list[int] = []  # heap: indexes to generate again, lowest first
         self._unsent: list[int] = []  # heap: claimed indexes not yet handed on
         self._finished: dict[int, Batch] = {}  # done, waiting for their turn (start order)
+        self._attempts: dict[int, int] = {}  # starts so far, of indexes started more than once
         self._send_lock = anyio.Lock()
         self._work_added = anyio.Event()
 
@@ -64,33 +72,40 @@ class Producer:
 
     def requeue(self, index: int) -> None:
         """Generate ``index`` again: its batch was dropped."""
+        self._attempts[index] = self._attempts.get(index, 0) + 1
         heapq.heappush(self._requeued, index)
         self._work_added.set()
         self._work_added = anyio.Event()
 
     async def _work(self, lane: Lane, track: str, send: anyio.abc.ObjectSendStream[Batch]) -> None:
         while True:
-            index = await self._claim()
+            index, slot = await self._claim()
             started = time.monotonic()
             self.idle.rollouts_started += 1
-            version = self.clock.version_published
+            scheduled = self.clock.scheduled_version(slot) if self.fixed_schedule else None
+            ctx = RolloutContext(
+                index, rollout_generator(self.seed, index, self._attempts.get(index, 0)),
+                self._attempts.get(index, 0), scheduled,
+            )  # fmt: skip
+            version = self.clock.published if scheduled is None else scheduled
             with self.trace.span("rollout", track, index=index):
                 if self.rollout_is_async:
-                    result = await self._rollout_at(index)
+                    result = await self._rollout_at(ctx)
                 else:
-                    result = await lane.run(self._rollout_at, index)
+                    result = await lane.run(self._rollout_at, ctx)
             batch = result if isinstance(result, Batch) else Batch(result)
             if batch.version < 0:  # the trainer did not say which weights it used
                 batch.version = version
-            batch.step = index
+            batch.index = index
             batch.metrics = {**batch.metrics, "perf/rollout_time_s": time.monotonic() - started}
             self._finished[index] = batch
             async with self._send_lock:
                 for ready in self._ready():
                     await send.send(ready)
 
-    async def _claim(self) -> int:
-        """The next data index to generate, once the clock admits a rollout for it.
+    async def _claim(self) -> tuple[int, int]:
+        """The next data index to generate and its admission slot, once the clock
+        admits a rollout for it.
 
         Admission comes first and the claim right after it (no await between), so
         indexes are claimed in slot order. With nothing left to claim the worker waits:
@@ -100,7 +115,7 @@ class Producer:
             waiting = time.monotonic()
             while not self._requeued and self._upcoming() >= self.stop:
                 await self._work_added.wait()
-            await self.clock.admit()
+            slot = await self.clock.admit()
             self.idle.generator_s += time.monotonic() - waiting
             if self._requeued:
                 index = heapq.heappop(self._requeued)
@@ -110,7 +125,7 @@ class Producer:
                 self.clock.release()
                 continue
             heapq.heappush(self._unsent, index)
-            return index
+            return index, slot
 
     def _upcoming(self) -> int:
         """The next never-claimed index, past those a resumed run trained already."""
@@ -134,5 +149,5 @@ class Producer:
     def _first_finished(self) -> int:
         return next(iter(self._finished), -1)
 
-    def _rollout_at(self, index: int) -> Any:
-        return self.trainer.rollout(self.dataset.batch(index), index)
+    def _rollout_at(self, ctx: RolloutContext) -> Any:
+        return self.trainer.rollout(self.dataset.batch(ctx.index), ctx)

@@ -19,10 +19,7 @@ from corun.trainer import Image
 
 # What the progress line shows, in this order, when a trainer logs it. A multi-track
 # trainer's `train/<track>/loss` ranks as `train/loss`, so every track is shown.
-_HEADLINE = (
-    "train/loss", "rollout/reward_mean", "eval/accuracy", "eval/reward", "eval/reward_mean",
-    "eval/loss",
-)  # fmt: skip
+_HEADLINE = ("train/loss", "rollout/reward_mean", "eval/accuracy", "eval/reward", "eval/loss")
 _HEADLINE_MAX = 4
 
 
@@ -34,18 +31,22 @@ def headline_rank(key: str) -> tuple[int, str] | None:
 
 
 class Progress:
-    """A rich progress bar on a terminal, plain lines otherwise, or nothing."""
+    """A rich progress bar on a terminal, plain lines otherwise, or nothing; shown from
+    :meth:`start` on (a prerequisite run shows its own first)."""
 
     def __init__(self, mode: str, total: int, start: int) -> None:
         if mode == "auto":
             mode = "rich" if sys.stderr.isatty() else "plain"
         self.mode = mode
         self.total = total
+        self.first_step = start
         self._last_printed = -1
         self._plain_every = max(1, total // 20)
         self._headline: dict[str, float] = {}
         self._bar: Any = None
-        if mode == "rich":
+
+    def start(self) -> None:
+        if self.mode == "rich":
             from rich.progress import (
                 BarColumn,
                 MofNCompleteColumn,
@@ -64,7 +65,9 @@ class Progress:
                 TextColumn("{task.fields[headline]}"),
                 transient=False,
             )
-            self._task = self._bar.add_task("train", total=total, completed=start, headline="")
+            self._task = self._bar.add_task(
+                "train", total=self.total, completed=self.first_step, headline=""
+            )
             self._bar.start()
 
     def update(self, step: int, metrics: Mapping[str, float]) -> None:
@@ -111,6 +114,10 @@ class Reporter:
         self.metrics = MetricsLog(run_dir, keep_up_to_step=start_step if start_step else -1)
         self.progress = Progress(config.log.progress, config.run.steps, start_step)
         self._wandb: Any = None
+
+    def start(self) -> None:
+        """Show progress from now on."""
+        self.progress.start()
 
     def start_wandb(self, run_id: str, extra: Mapping[str, Any]) -> None:
         if self.config.log.wandb == "disabled":

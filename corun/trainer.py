@@ -6,47 +6,104 @@ default (no thread hop, no event). Hooks may be plain functions, which the runti
 runs on a compute lane (a worker thread), or ``async def``, which run on the event
 loop (engines behind HTTP, say) and offload their own compute.
 
-Failure policy: training hooks (setup, rollout, train_step, sync_weights, evaluate*,
-state_dict) propagate; the run stops and tears down. ``on_train_end`` runs last on
-every exit path.
+A trainer supplies its math — how a rollout is made (``rollout``) and the loss of a
+part of a batch (``loss``) — and registers its optimizers in ``setup``; the runtime
+owns the update protocol around the loss (corun/update.py): accumulation windows,
+mini-batches, micro-batches, gradient clipping, the optimizer steps and the version
+count. Randomness comes from the generators the runtime hands to each rollout and
+update (corun/rng.py), never from the process-wide RNGs.
+
+Failure policy: training hooks (setup, rollout, prepare, loss, sync_weights,
+evaluate*, state_dict) propagate; the run stops and tears down. ``on_train_end``
+runs last on every exit path.
 """
 
 from __future__ import annotations
 
-import importlib
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from importlib.metadata import entry_points
 from pathlib import Path
-from typing import Any, ClassVar, Generic, TypeVar
+from typing import Any, ClassVar, Generic, Protocol, TypeVar
+
+import torch
 
 from corun.config import Config as CorunConfig
 from corun.config import TrainerConfig
 from corun.data import Dataset, IndexData
-from corun.errors import ConfigError
 
 Metrics = Mapping[str, "float | Image"]  # numbers, and images such as sample grids
 C = TypeVar("C", bound=TrainerConfig)
-
-ENTRY_POINT_GROUP = "corun.trainers"
+DEFAULT_OPTIMIZER = "model"  # its gradient norm is logged as train/grad_norm
 
 
 @dataclass
 class Batch:
-    """One rollout batch. The runtime fills ``version`` (weights it was made with),
-    ``step`` (its data index) and, with ``loop.accumulate``, its place in the window."""
+    """One rollout batch. The runtime fills ``index`` (its data index) and, unless the
+    trainer did, ``version`` (the policy version of the weights it was made with)."""
 
     data: Any
     metrics: Mapping[str, float] = field(default_factory=dict)
     version: int = -1
-    step: int = -1
-    window_pos: int = 0  # 0 .. window_size - 1: which train_step of the window this is
-    window_size: int = 1
+    index: int = -1
 
-    @property
-    def ends_window(self) -> bool:
-        """Whether ``train_step`` on this batch applies the accumulated update."""
-        return self.window_pos == self.window_size - 1
+
+@dataclass(frozen=True)
+class RolloutContext:
+    """What the runtime hands to ``rollout`` besides the inputs.
+
+    ``generator`` is seeded by (run seed, ``index``, ``attempt``): draw every random
+    number of the rollout from it. ``version`` is the policy version to generate with
+    under ``loop.version_schedule = "fixed"`` (an older one than the latest, possibly);
+    ``None`` means the latest published weights.
+    """
+
+    index: int
+    generator: torch.Generator
+    attempt: int = 0
+    version: int | None = None
+
+
+@dataclass(frozen=True)
+class Part:
+    """Which part of a batch one ``loss`` call covers: micro-batch ``micro`` of
+    ``micros`` within mini-batch ``mini`` of ``minis``.
+
+    Each mini-batch is one optimizer step; its micro-batches are backpropagated one at
+    a time (to bound memory) and their gradients add up, so a micro-batch's loss is
+    its *share* of the mini-batch's loss (e.g. its row-mean × :meth:`share`).
+    ``generator`` (seeded by run seed and data index) is for the update's own draws.
+    """
+
+    mini: int = 0
+    minis: int = 1
+    micro: int = 0
+    micros: int = 1
+    generator: torch.Generator | None = None
+
+    def mini_rows(self, n: int) -> slice:
+        """This mini-batch's rows of a batch of ``n`` rows (near-equal contiguous slices)."""
+        return slice(*_split(0, n, self.mini, self.minis))
+
+    def rows(self, n: int) -> slice:
+        """This micro-batch's rows of a batch of ``n`` rows."""
+        return slice(*self._bounds(n))
+
+    def share(self, n: int) -> float:
+        """This micro-batch's rows over its mini-batch's: the weight of a row-mean loss."""
+        start, stop = self._bounds(n)
+        mini_start, mini_stop = _split(0, n, self.mini, self.minis)
+        return (stop - start) / max(mini_stop - mini_start, 1)
+
+    def _bounds(self, n: int) -> tuple[int, int]:
+        return _split(*_split(0, n, self.mini, self.minis), self.micro, self.micros)
+
+
+def _split(start: int, stop: int, part: int, parts: int) -> tuple[int, int]:
+    """Part ``part`` of ``parts`` near-equal ranges of ``start:stop`` (the first ones one
+    longer, as ``torch.tensor_split``)."""
+    size, extra = divmod(stop - start, parts)
+    first = start + part * size + min(part, extra)
+    return first, first + size + (part < extra)
 
 
 @dataclass(frozen=True)
@@ -68,11 +125,32 @@ class Outcome:
     signal: str | None = None
 
 
+@dataclass(frozen=True)
+class OptimizerSpec:
+    """An optimizer the runtime steps: its parameters' gradients clipped to a global
+    norm of ``grad_clip`` first (0: not clipped; the norm is reported either way)."""
+
+    name: str
+    optimizer: torch.optim.Optimizer
+    grad_clip: float = 0.0
+
+    @property
+    def params(self) -> list[torch.nn.Parameter]:
+        return [p for group in self.optimizer.param_groups for p in group["params"]]
+
+
+class Stateful(Protocol):
+    def state_dict(self) -> dict[str, Any]: ...
+
+    def load_state_dict(self, state: dict[str, Any]) -> None: ...
+
+
 TeardownFn = Callable[[], Any]
 
 
 class SetupContext:
-    """Handed to ``Trainer.setup``: where resources that need teardown are registered.
+    """Handed to ``Trainer.setup``: where a trainer registers its optimizers, the
+    resources that need teardown, and extra state the checkpoint must hold.
 
     Teardown runs in the reverse order of registration, each step shielded and under
     its own deadline. Register the rollout engine before its weight-sync channel, so
@@ -84,7 +162,24 @@ class SetupContext:
     ) -> None:
         self.config = config
         self.teardowns: list[tuple[str, TeardownFn]] = []
+        self.optimizers: list[OptimizerSpec] = []
+        self.kept: dict[str, Stateful] = {}
         self._register = register
+
+    def add_optimizer(
+        self, optimizer: torch.optim.Optimizer, *, grad_clip: float = 0.0,
+        name: str = DEFAULT_OPTIMIZER,
+    ) -> None:  # fmt: skip
+        """An optimizer the runtime zeroes, clips and steps (in registration order); its
+        norm is logged as ``train/grad_norm``, or ``train/<name>/grad_norm`` when named."""
+        if any(spec.name == name for spec in self.optimizers):
+            raise ValueError(f"an optimizer named {name!r} is registered already")
+        self.optimizers.append(OptimizerSpec(name, optimizer, grad_clip))
+
+    def keep_state(self, name: str, component: Stateful) -> None:
+        """Save ``component``'s state with every checkpoint and restore it on resume
+        (runtime-side pieces such as the rollout weight history of a fixed schedule)."""
+        self.kept[name] = component
 
     def on_teardown(self, name: str, fn: TeardownFn) -> None:
         """Run ``fn`` (sync or async) at teardown, logged as ``teardown:<name>``.
@@ -98,12 +193,9 @@ class SetupContext:
 
 
 class Trainer(Generic[C]):
-    """Base class of every trainer. ``Config`` is the trainer's own settings Struct."""
+    """Base of every trainer. ``Config`` is the trainer's own settings Struct."""
 
     Config: ClassVar[type[TrainerConfig]] = TrainerConfig
-    # Whether train_step honours Batch.window_pos/window_size (loop.accumulate > 1):
-    # backward on every batch, the optimizer update only on the window's last.
-    accumulates: ClassVar[bool] = False
 
     def __init__(self, config: CorunConfig) -> None:
         self.run_config = config
@@ -115,25 +207,43 @@ class Trainer(Generic[C]):
         return ()
 
     def setup(self, ctx: SetupContext) -> Awaitable[None] | None:
-        """Build models, optimizer, engine; register what needs teardown on ``ctx``."""
+        """Build models, optimizers (``ctx.add_optimizer``), the rollout engine; register
+        what needs teardown on ``ctx``. The global RNGs are seeded with ``run.seed``."""
 
     def dataset(self) -> Dataset:
-        """Random-access inputs: ``dataset().batch(i)`` feeds ``rollout`` for step ``i``."""
+        """Random-access inputs: ``dataset().batch(i)`` feeds the rollout of index ``i``."""
         return IndexData()
 
     # ---- the step
-    def rollout(self, inputs: Any, step: int) -> Batch | Any:
+    def rollout(self, inputs: Any, ctx: RolloutContext) -> Batch | Any:
         """Generate, score and compute advantages for one batch (a producer task)."""
         return inputs
 
+    def prepare(self, batch: Batch) -> Any:
+        """Per-batch work under the weights the batch is trained from, before its first
+        loss (PPO's old values, a proximal policy's log-probs); returns the new
+        ``batch.data``."""
+        return batch.data
+
+    def micro_batches(self, batch: Batch) -> int:
+        """Micro-batches per mini-batch of ``batch``: ``loss`` calls backpropagated one
+        at a time into the same gradients (rows, or denoising steps)."""
+        return 1
+
+    def loss(self, batch: Batch, part: Part) -> tuple[torch.Tensor, Mapping[str, float]]:
+        """The loss of ``part`` of ``batch`` (a tensor to backpropagate) and metrics
+        (logged as ``train/<name>``, averaged over the calls of a step)."""
+        raise NotImplementedError(f"{type(self).__name__} defines neither loss nor train_step")
+
     def train_step(self, batch: Batch) -> Metrics | Awaitable[Metrics]:
-        """One optimizer update on ``batch`` (with ``loop.accumulate``, one window's
-        share of it; the update is applied when ``batch.ends_window``); returns metrics
-        such as ``train/loss``."""
-        return {}
+        """Only for a trainer that owns its whole update (no gradients, a test fake):
+        overriding it replaces the runtime's protocol around ``loss``, and then
+        ``loop.mini_batches`` must be 1. The runtime still counts a version per
+        ``loop.accumulate`` steps."""
+        raise NotImplementedError
 
     def sync_weights(self, version: int) -> Awaitable[None] | None:
-        """Publish the trained weights (``version`` optimizer steps) to the rollout engine."""
+        """Publish the trained weights (policy ``version``) to the rollout engine."""
 
     # ---- evaluation
     def evaluate(self) -> Metrics | Awaitable[Metrics]:
@@ -162,30 +272,7 @@ class Trainer(Generic[C]):
         pass
 
 
-def overrides(trainer: Trainer[Any], hook: str) -> bool:
+def overrides(trainer: Trainer[Any] | type[Trainer[Any]], hook: str) -> bool:
     """Whether ``trainer`` overrides ``hook`` (the runtime skips default hooks)."""
-    return getattr(type(trainer), hook) is not getattr(Trainer, hook)
-
-
-def resolve_trainer(kind: str, where: str = "trainer.kind") -> type[Trainer[Any]]:
-    """A registered name (entry point group ``corun.trainers``) or ``"module:Class"``."""
-    if ":" in kind:
-        module_name, _, attr = kind.partition(":")
-        try:
-            target: Any = importlib.import_module(module_name)
-            for part in attr.split("."):
-                target = getattr(target, part)
-        except (ImportError, AttributeError) as exc:
-            raise ConfigError(f"{where}: cannot load trainer {kind!r} ({exc})") from None
-    else:
-        found = {ep.name: ep for ep in entry_points(group=ENTRY_POINT_GROUP)}
-        if kind not in found:
-            names = ", ".join(sorted(found)) or "none installed"
-            raise ConfigError(
-                f"{where}: unknown trainer {kind!r}; registered: {names}, "
-                'or give "package.module:Class"'
-            )
-        target = found[kind].load()
-    if not (isinstance(target, type) and issubclass(target, Trainer)):
-        raise ConfigError(f"{where}: {kind!r} is not a corun.Trainer subclass")
-    return target
+    cls = trainer if isinstance(trainer, type) else type(trainer)
+    return getattr(cls, hook) is not getattr(Trainer, hook)

@@ -212,7 +212,7 @@ def assert_latest_checkpoint_loads(run: CorunRun, *, expect_step: int | None) ->
     assert latest is not None, "expected a checkpoint, found none"
     state, tensors = checkpoint.read(latest)
     assert state.step == expect_step
-    assert "model" in tensors
+    assert "model" in tensors["trainer"]
     assert not list(checkpoint.checkpoints_dir(run.run_dir).glob(".tmp-*"))
 
 

@@ -25,7 +25,7 @@ class FakeConfig(corun.TrainerConfig, frozen=True, forbid_unknown_fields=True, k
     fail_at_step: int = 1  # ... at this step (1-based train step; rollout index + 1)
     slow_in: Phase = ""  # sleep in this phase, in small cooperative slices
     slow_s: float = 0.0
-    micro_batches: int = 4
+    micro_batches: int = 4  # loss calls per mini-batch, with cancel points between them
     spawn_engine: bool = False  # start a child process as the "rollout engine"
     teardown_fails: bool = False  # the weight-sync teardown step raises
 
@@ -74,6 +74,7 @@ class FakeTrainer(corun.Trainer[FakeConfig]):
         self.calls.append("setup")
         self.model = torch.nn.Linear(4, 1)
         self.optimizer = torch.optim.Adam(self.model.parameters(), lr=0.05)
+        ctx.add_optimizer(self.optimizer)
         self.engine_weights = {k: v.clone() for k, v in self.model.state_dict().items()}
         if self.config.spawn_engine:
             self.engine = corun.ChildProcess([sys.executable, "-c", "import time; time.sleep(600)"])
@@ -89,27 +90,24 @@ class FakeTrainer(corun.Trainer[FakeConfig]):
         if self.config.teardown_fails:
             raise FakeError("injected failure in weight-sync teardown")
 
-    def rollout(self, inputs: Any, step: int) -> corun.Batch:
-        self.calls.append(f"rollout:{step}")
-        self._phase("rollout", step + 1)
-        x = torch.randn(8, 4)
+    def rollout(self, inputs: Any, ctx: corun.RolloutContext) -> corun.Batch:
+        self.calls.append(f"rollout:{ctx.index}")
+        self._phase("rollout", ctx.index + 1)
+        x = torch.randn(8, 4, generator=ctx.generator)
         y = x.sum(dim=1, keepdim=True)
         return corun.Batch((x, y), metrics={"rollout/reward_mean": float(y.mean())})
 
-    def train_step(self, batch: corun.Batch) -> dict[str, float]:
-        self.calls.append(f"train:{batch.step}")
+    def micro_batches(self, batch: corun.Batch) -> int:
+        return self.config.micro_batches
+
+    def loss(self, batch: corun.Batch, part: corun.Part) -> tuple[torch.Tensor, dict[str, float]]:
+        if part.micro == 0 and part.mini == 0:
+            self.calls.append(f"train:{batch.index}")
+        self._phase("train", batch.index + 1)
         x, y = batch.data
-        self.optimizer.zero_grad()
-        total = 0.0
-        n = self.config.micro_batches
-        for xs, ys in zip(x.chunk(n), y.chunk(n), strict=True):
-            cancel_point()
-            self._phase("train", batch.step + 1)
-            loss = torch.nn.functional.mse_loss(self.model(xs), ys) / self.config.micro_batches
-            loss.backward()
-            total += float(loss.detach())
-        self.optimizer.step()
-        return {"train/loss": total}
+        rows = part.rows(len(x))
+        loss = torch.nn.functional.mse_loss(self.model(x[rows]), y[rows])
+        return loss * part.share(len(x)), {}
 
     def sync_weights(self, version: int) -> None:
         self.calls.append(f"sync:{version}")

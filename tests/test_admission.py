@@ -1,7 +1,8 @@
 """Admission under random latencies, on trio's virtual clock: the staleness bound and
 the concurrency window always hold, every data index is trained exactly once, and
 every run finishes (no deadlock, no starvation) — in start order and in completion
-order (where overtaken batches are dropped and redone), and with injected failures.
+order (where overtaken batches are dropped and redone), with the fixed version
+schedule (where the versions do not depend on timing), and with injected failures.
 
 Hooks are ``async def`` that sleep for latencies drawn by hypothesis; with
 ``MockClock(autojump_threshold=0)`` hours of virtual time pass in milliseconds.
@@ -20,7 +21,7 @@ from hypothesis import strategies as st
 from trio.testing import MockClock
 
 import corun
-from corun.events import read_jsonl
+from corun.events import read_records
 from tests.conftest import make_config
 
 
@@ -39,7 +40,6 @@ class LatencyTrainer(corun.Trainer[LatencyConfig]):
     """Does nothing but wait; records what admission let happen."""
 
     Config = LatencyConfig
-    accumulates = True  # waits the same whether or not a step ends a window
 
     def setup(self, ctx: corun.SetupContext) -> None:
         self.trained = 0
@@ -48,24 +48,25 @@ class LatencyTrainer(corun.Trainer[LatencyConfig]):
         self.window: list[int] = []
         self.trained_indexes: list[int] = []
         self.rollout_indexes: list[int] = []
-        self.windows: list[tuple[int, int]] = []
+        self.versions: list[int] = []  # of each trained batch, in training order
 
-    async def rollout(self, inputs: Any, step: int) -> corun.Batch:
+    async def rollout(self, inputs: Any, ctx: corun.RolloutContext) -> corun.Batch:
+        index = ctx.index
         self.started += 1
         self.window.append(self.started - self.trained)
-        self.rollout_indexes.append(step)
-        await anyio.sleep(self.config.rollout_s[step % len(self.config.rollout_s)])
-        if self.config.fail_in == "rollout" and step == self.config.fail_at:
-            raise LatencyError(f"rollout {step}")
+        self.rollout_indexes.append(index)
+        await anyio.sleep(self.config.rollout_s[index % len(self.config.rollout_s)])
+        if self.config.fail_in == "rollout" and index == self.config.fail_at:
+            raise LatencyError(f"rollout {index}")
         return corun.Batch(inputs)
 
     async def train_step(self, batch: corun.Batch) -> dict[str, float]:
         version = self.trained // self.run_config.loop.accumulate
-        self.windows.append((batch.window_pos, batch.window_size))
         self.staleness.append(version - batch.version)
-        await anyio.sleep(self.config.train_s[batch.step % len(self.config.train_s)])
-        if self.config.fail_in == "train" and batch.step == self.config.fail_at:
-            raise LatencyError(f"train {batch.step}")
+        self.versions.append(batch.version)
+        await anyio.sleep(self.config.train_s[batch.index % len(self.config.train_s)])
+        if self.config.fail_in == "train" and batch.index == self.config.fail_at:
+            raise LatencyError(f"train {batch.index}")
         self.trained += 1
         self.trained_indexes.append(batch.data)
         return {}
@@ -104,30 +105,33 @@ def run_virtual(run_dir: Path, trainer_table: dict[str, Any], **sections: Any) -
     extra_staleness=st.integers(0, 3),
     windows=st.integers(1, 12),
     workers=st.integers(1, 4),
-    order=st.sampled_from(["start", "completion"]),
+    order=st.sampled_from(["start", "completion", "start-fixed"]),
     accumulate=st.sampled_from([1, 1, 2, 3]),
 )
 def test_staleness_and_window_bounds_hold(
     rollout_s: list[float], train_s: list[float], concurrency: int, sync_interval: int,
     extra_staleness: int, windows: int, workers: int, order: str, accumulate: int,
 ) -> None:  # fmt: skip
+    order, _, schedule = order.partition("-")
     sync_interval *= accumulate
     steps = windows * accumulate
     max_staleness = sync_interval // accumulate - 1 + extra_staleness
     workers = min(workers, concurrency)
+    loop = {
+        "concurrency": concurrency, "sync_interval": sync_interval,
+        "max_staleness": max_staleness, "baseline_eval": False, "workers": workers,
+        "accumulate": accumulate, "order": order, "version_schedule": schedule or "free",
+        "compute": "inline",  # no threads: virtual time sees every wait
+    }  # fmt: skip
     with tempfile.TemporaryDirectory() as run_dir:
         trainer, outcome = run_virtual(
             Path(run_dir),
             {"kind": "tests.test_admission:LatencyTrainer", "rollout_s": rollout_s,
              "train_s": train_s},
-            run={"steps": steps},
-            loop={"concurrency": concurrency, "sync_interval": sync_interval,
-                  "max_staleness": max_staleness, "baseline_eval": False, "workers": workers,
-                  "accumulate": accumulate,
-                  "order": order, "compute": "inline"},  # no threads: virtual time sees every wait
+            run={"steps": steps}, loop=loop,
         )  # fmt: skip
-        records = [r for r in read_jsonl(Path(run_dir) / "metrics.jsonl") if "step" in r]
-        drops = [e for e in read_jsonl(Path(run_dir) / "events.jsonl") if e["event"] == "drop"]
+        records = [r for r in read_records(Path(run_dir) / "metrics.jsonl") if "step" in r]
+        drops = [e for e in read_records(Path(run_dir) / "events.jsonl") if e["event"] == "drop"]
     steps_logged = [r for r in records if "perf/trainer_idle_ratio" in r]
     assert len(steps_logged) == steps
     for record in steps_logged:
@@ -138,7 +142,16 @@ def test_staleness_and_window_bounds_hold(
             assert record["async/staleness_max"] <= max_staleness
     assert outcome.reason == "done" and trainer.trained == steps
     assert max(trainer.staleness) <= max_staleness
-    assert trainer.windows == [(i % accumulate, accumulate) for i in range(steps)]
+    if schedule == "fixed":
+        # Other timings, the same versions: the schedule is a function of the index.
+        with tempfile.TemporaryDirectory() as run_dir:
+            other, _ = run_virtual(
+                Path(run_dir),
+                {"kind": "tests.test_admission:LatencyTrainer",
+                 "rollout_s": [0.0, *reversed(rollout_s)], "train_s": list(reversed(train_s))},
+                run={"steps": steps}, loop=loop,
+            )  # fmt: skip
+        assert other.versions == trainer.versions
     if order == "start":
         # Nothing overtakes in start order, so nothing is dropped and the window holds
         # for every rollout; batches train in index order even when workers finish
@@ -177,8 +190,8 @@ def test_a_failure_anywhere_ends_the_run_with_that_error(
             loop={"concurrency": concurrency, "workers": min(workers, concurrency),
                   "baseline_eval": False, "order": order, "compute": "inline"},
         )  # fmt: skip
-        events = [e["event"] for e in read_jsonl(Path(run_dir) / "events.jsonl")]
-        end = read_jsonl(Path(run_dir) / "events.jsonl")[-1]
+        events = [e["event"] for e in read_records(Path(run_dir) / "events.jsonl")]
+        end = read_records(Path(run_dir) / "events.jsonl")[-1]
     assert isinstance(result, LatencyError) and str(result) == f"{fail_in} {fail_at}"
     assert events[-1] == "end" and end["reason"] == "error"
     assert "teardown:logging" in events

@@ -9,9 +9,9 @@ from pathlib import Path
 import anyio
 import pytest
 
-from corun.events import read_jsonl
+from corun.events import read_records
 from tests.conftest import make_config
-from trainers.grpo import GRPOTrainer
+from trainers.lm.grpo import GRPOTrainer
 
 pytestmark = pytest.mark.anyio
 
@@ -34,7 +34,7 @@ async def test_grpo_with_rollout_workers(tmp_path: Path) -> None:
         outcome = await corun.run(trainer, config)
     assert outcome.reason == "done" and outcome.step == 8
     assert len(trainer.replicas) == 2  # one engine replica per rollout worker thread
-    steps = [r for r in read_jsonl(tmp_path / "run" / "metrics.jsonl") if "train/loss" in r]
+    steps = [r for r in read_records(tmp_path / "run" / "metrics.jsonl") if "train/loss" in r]
     assert [r["step"] for r in steps] == list(range(1, 9))
     assert all(0 <= r["async/staleness_max"] <= 2 for r in steps)
     assert all(1 <= r["async/inflight"] <= 3 for r in steps)

@@ -11,10 +11,10 @@ import pytest
 import torch
 
 import corun
-from corun.events import read_jsonl
+from corun.events import read_records
 from tests.conftest import make_config
-from trainers.grpo import GRPOTrainer
 from trainers.lm.engine import LocalEngine
+from trainers.lm.grpo import GRPOTrainer
 from trainers.lm.policy import build_policy, response_logprobs
 from trainers.lm.tasks import encode_prompts
 
@@ -73,7 +73,7 @@ async def test_grpo_interrupt_mode_runs_with_bounded_staleness(tmp_path: Path, o
     with anyio.fail_after(120):
         outcome = await corun.run(GRPOTrainer(config), config)
     assert outcome.reason == "done" and outcome.step == 8
-    steps = [r for r in read_jsonl(tmp_path / "metrics.jsonl") if "train/loss" in r]
+    steps = [r for r in read_records(tmp_path / "metrics.jsonl") if "train/loss" in r]
     assert len(steps) == 8
     assert all(
         r["async/staleness_max"] <= 2 and 0 <= r["rollout/partial_ratio"] <= 1 for r in steps
@@ -94,7 +94,7 @@ async def test_dynamic_sampling_with_several_producers_does_not_starve(tmp_path:
     with anyio.fail_after(120):
         outcome = await corun.run(GRPOTrainer(config), config)
     assert outcome.reason == "done" and outcome.step == 6
-    steps = [r for r in read_jsonl(tmp_path / "metrics.jsonl") if "train/loss" in r]
+    steps = [r for r in read_records(tmp_path / "metrics.jsonl") if "train/loss" in r]
     assert len(steps) == 6
     assert all(1 <= r["rollout/sampling_rounds"] <= 3 for r in steps)
     assert any(r["rollout/zero_std_group_ratio"] > 0 for r in steps)

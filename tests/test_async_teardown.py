@@ -11,7 +11,7 @@ import pytest
 
 import corun
 from corun import checkpoint
-from corun.events import read_jsonl
+from corun.events import read_records
 from tests.conftest import make_config
 from tests.fakes import TEARDOWN_ORDER, FakeError, FakeTrainer
 
@@ -29,7 +29,7 @@ def _trainer(run_dir: Path, **trainer: object) -> FakeTrainer:
 
 
 def _teardown_events(run_dir: Path) -> list[str]:
-    names = [r["event"] for r in read_jsonl(run_dir / "events.jsonl")]
+    names = [r["event"] for r in read_records(run_dir / "events.jsonl")]
     return [n for n in names if n.startswith("teardown:") or n == "end"]
 
 
@@ -63,7 +63,7 @@ async def test_failure_in_producer_or_sync_surfaces(tmp_path: Path, phase: str) 
     with anyio.fail_after(60), pytest.raises(FakeError, match=f"failure in {phase}"):
         await corun.run(trainer, trainer.run_config)
     assert _teardown_events(run_dir) == [*TEARDOWN_ORDER, "end"]
-    assert read_jsonl(run_dir / "events.jsonl")[-1]["reason"] == "error"
+    assert read_records(run_dir / "events.jsonl")[-1]["reason"] == "error"
     assert trainer.calls[-1] == "on_train_end:error"
 
 

@@ -26,11 +26,11 @@ def test_overhead_benchmark_quick(tmp_path: Path) -> None:
     assert all(r["us_per_step"] > 0 for r in figures["noop"])
 
 
-def test_pipeline_benchmark_quick() -> None:
+def test_async_throughput_benchmark_quick() -> None:
     result = subprocess.run(
-        [sys.executable, "-m", "benchmarks.pipeline", "--quick"],
+        [sys.executable, "-m", "benchmarks.async_throughput", "--quick"],
         cwd=ROOT, capture_output=True, text=True, timeout=300,
     )  # fmt: skip
     assert result.returncode == 0, result.stderr[-2000:]
     rows = [line.split() for line in result.stdout.splitlines() if line.strip().endswith("%")]
-    assert {row[1] for row in rows} == {"sync", "start", "completion"}
+    assert {row[1] for row in rows} == {"sync", "start", "completion", "fixed"}

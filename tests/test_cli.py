@@ -134,10 +134,16 @@ CONFIG_CASES = [
     ),
     ("steps-off-window", "", ["loop.accumulate=2", "run.steps=3"], ["`$.run.steps`"]),
     (
-        "accumulate-unsupported",
+        "mini-batches-unsupported",  # a trainer that owns its update (train_step)
         "",
-        ["loop.accumulate=2", "run.steps=4"],
-        ["`$.loop.accumulate`", "cannot accumulate"],
+        ["trainer.kind=tests.test_admission:LatencyTrainer", "loop.mini_batches=2"],
+        ["`$.loop.mini_batches`", "train_step"],
+    ),
+    (
+        "fixed-schedule-completion-order",
+        "",
+        ["loop.version_schedule=fixed", "loop.order=completion"],
+        ["`$.loop`", "version_schedule", "order"],
     ),
 ]
 

@@ -67,7 +67,7 @@ class ThreadCountTrainer(corun.Trainer[corun.TrainerConfig]):
     def setup(self, ctx: corun.SetupContext) -> None:
         self.seen: set[int] = set()
 
-    def rollout(self, inputs: Any, step: int) -> corun.Batch:
+    def rollout(self, inputs: Any, ctx: corun.RolloutContext) -> corun.Batch:
         self.seen.add(torch.get_num_threads())
         return corun.Batch(inputs)
 

@@ -18,12 +18,14 @@ from torch import Tensor
 
 import corun
 from corun.errors import CheckpointError, ConfigError
-from corun.events import read_jsonl
+from corun.events import read_records
 from tests.conftest import make_config
+from tests.loops import Harness
 from tests.test_resume import assert_state_equal
 from trainers.diffusion import shapes
 from trainers.diffusion.grid import save_grid, to_uint8
 from trainers.diffusion.model import FlowDiT, FlowModelConfig, load_model, model_from
+from trainers.diffusion.pretrain import FlowPretrainConfig, FlowPretrainTrainer
 from trainers.diffusion.sampling import (
     sample_ode,
     sample_sde,
@@ -31,9 +33,8 @@ from trainers.diffusion.sampling import (
     timesteps,
 )
 from trainers.diffusion.shapes import NULL, Prompt, ShapeData, describe, encode, render, score
-from trainers.flow_pretrain import FlowPretrainConfig, FlowPretrainTrainer
 
-KIND = "trainers.flow_pretrain:FlowPretrainTrainer"  # entry points may not be installed
+KIND = "trainers.diffusion.pretrain:FlowPretrainTrainer"  # entry points may not be installed
 REPO = Path(__file__).resolve().parents[1]
 TINY = {"kind": KIND, "d_model": 32, "n_layers": 1, "n_heads": 2, "eval_size": 8}
 
@@ -278,17 +279,12 @@ def trainer_config(tmp_path: Path, **trainer: Any) -> corun.Config:
     return make_config(tmp_path, {**TINY, **trainer}, data={"batch_size": 16})
 
 
-def make_trainer(tmp_path: Path, seed: int = 0, **trainer: Any) -> FlowPretrainTrainer:
-    config = trainer_config(tmp_path, **trainer)
-    torch.manual_seed(seed)  # what the runtime does before setup
-    flow = FlowPretrainTrainer(config)
-    flow.setup(corun.SetupContext(config))
-    return flow
+def make_trainer(tmp_path: Path, seed: int = 0, **trainer: Any) -> Harness[FlowPretrainTrainer]:
+    return Harness(FlowPretrainTrainer, trainer_config(tmp_path, **trainer), seed=seed)
 
 
-def train(flow: FlowPretrainTrainer, steps: range) -> list[float]:
-    data = flow.dataset()
-    return [flow.train_step(flow.rollout(data.batch(i), i))["train/loss"] for i in steps]
+def train(flow: Harness[FlowPretrainTrainer], steps: range) -> list[float]:
+    return [metrics["train/loss"] for metrics in flow.train(steps)]
 
 
 @pytest.mark.parametrize(
@@ -310,25 +306,25 @@ def test_state_dict_round_trip(tmp_path: Path) -> None:
     flow = make_trainer(tmp_path / "a")
     train(flow, range(2))
     buffer = io.BytesIO()
-    torch.save(flow.state_dict(), buffer)
+    torch.save(flow.trainer.state_dict(), buffer)
     buffer.seek(0)
     state = torch.load(buffer, weights_only=True)  # how checkpoints load: no pickled objects
     other = make_trainer(tmp_path / "b", seed=1)
-    other.load_state_dict(state)
-    for key, value in flow.model.state_dict().items():
-        assert torch.equal(value, other.model.state_dict()[key]), key
+    other.trainer.load_state_dict(state)
+    for key, value in flow.trainer.model.state_dict().items():
+        assert torch.equal(value, other.trainer.model.state_dict()[key]), key
     assert train(flow, range(2, 4)) == train(other, range(2, 4))  # optimizer state came too
     assert isinstance(load_model(state), FlowDiT)
     wider = make_trainer(tmp_path / "c", d_model=64)
     with pytest.raises(CheckpointError, match="checkpoint is for model"):
-        wider.load_state_dict(state)
+        wider.trainer.load_state_dict(state)
 
 
 def test_rollout_and_evaluate_are_deterministic_and_leave_global_rng(tmp_path: Path) -> None:
-    flow = make_trainer(tmp_path, grid_size=4, cond_dropout=0.5)
-    data = flow.dataset()
+    harness = make_trainer(tmp_path, grid_size=4, cond_dropout=0.5)
+    flow = harness.trainer
     before = global_rng_states()
-    first, again = flow.rollout(data.batch(3), 3).data, flow.rollout(data.batch(3), 3).data
+    first, again = harness.rollout(3).data, harness.rollout(3).data
     metrics = flow.evaluate(step=7)
     assert metrics.pop("eval/samples") == corun.Image(flow.held_out.grid_path(7), "step 7")
     assert flow.evaluate() == metrics
@@ -338,7 +334,7 @@ def test_rollout_and_evaluate_are_deterministic_and_leave_global_rng(tmp_path: P
     dropped, kept = (first.tokens == NULL).all(dim=1), (first.tokens != NULL).all(dim=1)
     assert dropped.any() and kept.any() and bool((dropped | kept).all())
     assert set(metrics) == {
-        "eval/loss", "eval/reward_mean", "eval/color_reward", "eval/position_reward"
+        "eval/loss", "eval/reward", "eval/color_reward", "eval/position_reward"
     }  # fmt: skip
     assert flow.held_out.grid_path(7).is_file()
     with pytest.raises(ConfigError, match=r"data\.path"):
@@ -360,10 +356,10 @@ async def test_pretrain_run_lowers_the_flow_matching_loss(
     with anyio.fail_after(60):
         outcome = await corun.run(trainer, config)
     assert outcome.reason == "done"
-    evals = [r for r in read_jsonl(tmp_path / "metrics.jsonl") if "eval/loss" in r]
+    evals = [r for r in read_records(tmp_path / "metrics.jsonl") if "eval/loss" in r]
     assert [r["step"] for r in evals] == [0, 20]
     assert evals[1]["eval/loss"] < 0.7 * evals[0]["eval/loss"]  # ~1.7 → ~1.0
-    assert all(not math.isnan(r["eval/reward_mean"]) for r in evals)
+    assert all(not math.isnan(r["eval/reward"]) for r in evals)
     assert {p.name for p in (tmp_path / "samples").iterdir()} == {"step-0.png", "step-20.png"}
     assert evals[1]["eval/samples"] == str(tmp_path / "samples" / "step-20.png")
     warm = model_from(str(tmp_path / "checkpoints" / "step-20"))

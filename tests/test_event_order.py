@@ -15,7 +15,7 @@ import pytest
 
 import corun
 from corun import checkpoint
-from corun.events import read_jsonl
+from corun.events import read_records
 from tests.conftest import make_config
 from tests.fakes import TEARDOWN_ORDER, FakeError, FakeTrainer
 
@@ -36,12 +36,12 @@ def _config(tmp_path: Path, **trainer: Any) -> corun.Config:
 
 def _events(tmp_path: Path) -> list[str]:
     """Event names, without the background write completions (their timing varies)."""
-    records = read_jsonl(tmp_path / "run" / "events.jsonl")
+    records = read_records(tmp_path / "run" / "events.jsonl")
     return [r["event"] for r in records if r["event"] != "checkpoint_written"]
 
 
 def _end(tmp_path: Path) -> dict[str, Any]:
-    return read_jsonl(tmp_path / "run" / "events.jsonl")[-1]
+    return read_records(tmp_path / "run" / "events.jsonl")[-1]
 
 
 async def test_clean_exit(tmp_path: Path) -> None:
@@ -98,7 +98,7 @@ async def test_first_error_propagates_and_teardown_continues(tmp_path: Path) -> 
         await corun.run(trainer, trainer.run_config)
     # The failing weight-sync teardown did not stop the later steps.
     assert trainer.calls[-3:] == ["teardown:weight_sync", "teardown:engine", "on_train_end:error"]
-    records = read_jsonl(tmp_path / "run" / "events.jsonl")
+    records = read_records(tmp_path / "run" / "events.jsonl")
     statuses = {r["event"]: r.get("status") for r in records}
     assert statuses["teardown:weight_sync"] == "error"
     assert statuses["teardown:engine"] == "ok"

@@ -12,11 +12,11 @@ import pytest
 import torch
 
 import corun
-from corun.events import read_jsonl
+from corun.events import read_records
 from tests.conftest import make_config
 from tests.loops import handwritten_loop, is_png, step_records
 from tests.test_resume import assert_state_equal
-from trainers.flow_grpo import FlowGRPOTrainer
+from trainers.diffusion.grpo import FlowGRPOTrainer
 
 pytestmark = pytest.mark.anyio
 
@@ -62,7 +62,7 @@ async def test_run_equals_handwritten_loop(
     )
     assert_state_equal(trainer.state_dict(), reference.state_dict())
     assert_state_equal(trainer.sampler.state_dict(), reference.sampler.state_dict())
-    assert trainer.sampler_version == 4 // accumulate
+    assert trainer.replicas.version == 4 // accumulate
     got = step_records(tmp_path / "run")
     assert [r["step"] for r in got] == [r["step"] for r in records]
     for ours, theirs in zip(got, records, strict=True):
@@ -95,7 +95,7 @@ async def test_each_eval_writes_a_sample_grid(tmp_path: Path) -> None:
     with anyio.fail_after(60):
         await corun.run(FlowGRPOTrainer(config), config)
     grids = [
-        r["eval/samples"] for r in read_jsonl(tmp_path / "metrics.jsonl") if "eval/samples" in r
+        r["eval/samples"] for r in read_records(tmp_path / "metrics.jsonl") if "eval/samples" in r
     ]
     assert grids == [
         str(tmp_path / "samples" / "step-0.png"),
@@ -110,7 +110,7 @@ async def test_async_rollout_workers(tmp_path: Path) -> None:
     with anyio.fail_after(60):
         outcome = await corun.run(trainer, config)
     assert outcome.reason == "done" and len(trainer.replicas) == 2
-    steps = [r for r in read_jsonl(tmp_path / "metrics.jsonl") if "train/loss" in r]
+    steps = [r for r in read_records(tmp_path / "metrics.jsonl") if "train/loss" in r]
     assert len(steps) == 6 and all(r["async/staleness_max"] <= 2 for r in steps)
 
 
@@ -156,9 +156,9 @@ async def test_learning_raises_the_eval_reward(tmp_path: Path) -> None:
     with anyio.fail_after(300):
         await corun.run(FlowGRPOTrainer(config), config)
     rewards = [
-        r["eval/reward_mean"]
-        for r in read_jsonl(tmp_path / "rl" / "metrics.jsonl")
-        if "eval/reward_mean" in r
+        r["eval/reward"]
+        for r in read_records(tmp_path / "rl" / "metrics.jsonl")
+        if "eval/reward" in r
     ]
     print(f"eval reward {rewards[0]:.3f} -> {rewards[1]:.3f}")
     assert len(rewards) == 2 and rewards[1] > rewards[0] + 0.05, rewards

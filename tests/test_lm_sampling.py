@@ -15,8 +15,8 @@ import torch
 
 import corun
 from tests.conftest import make_config
-from trainers.grpo import GRPOBatch, GRPOTrainer
 from trainers.lm.engine import LocalEngine, Rollouts
+from trainers.lm.grpo import GRPOBatch, GRPOTrainer
 from trainers.lm.policy import build_policy, response_logprobs
 from trainers.lm.rl import Scored
 from trainers.lm.tasks import EOS, PAD, TASKS, encode_prompts
@@ -80,12 +80,15 @@ def test_ratio_is_one_for_unchanged_weights(tmp_path: Path, top_p: float) -> Non
     with torch.random.fork_rng():
         torch.manual_seed(0)
         trainer = grpo_trainer(tmp_path, dynamic_sampling=False, top_p=top_p)
-        scored, _ = trainer.sample_and_score(trainer.dataset().batch(0))
-    rows = torch.arange(scored.rollouts.prompt_ids.shape[0])
+        ctx = corun.RolloutContext(0, corun.rollout_generator(0, 0, 0))
+        scored, _ = trainer.sample_and_score(trainer.dataset().batch(0), ctx)
+    rows = slice(0, scored.rollouts.prompt_ids.shape[0])
     with torch.no_grad():
-        loss, metrics, _ = trainer.policy_loss(scored.rollouts, rows, -torch.ones(len(rows), 1))
-    assert metrics["train/clip_ratio"] == 0.0
-    assert metrics["train/kl"] == pytest.approx(0.0, abs=1e-5)
+        loss, metrics, _ = trainer.policy_loss(
+            scored.rollouts, rows, -torch.ones(rows.stop, 1), None
+        )
+    assert metrics["clip_ratio"] == 0.0
+    assert metrics["kl"] == pytest.approx(0.0, abs=1e-5)
     assert float(loss) == pytest.approx(1.0, abs=1e-5)
 
 
@@ -135,7 +138,9 @@ class Script:
         self.rounds = rounds
         self.chunks: list[list[tuple[str, str]]] = []
 
-    def __call__(self, examples: list[tuple[str, str]]) -> tuple[Scored, dict[str, float]]:
+    def __call__(
+        self, examples: list[tuple[str, str]], ctx: corun.RolloutContext
+    ) -> tuple[Scored, dict[str, float]]:
         index = len(self.chunks)
         self.chunks.append(examples)
         kinds = self.rounds[index]
@@ -154,7 +159,7 @@ def run_make_batch(
     script = Script(rounds)
     monkeypatch.setattr(trainer, "sample_and_score", script)
     examples = [(f"{i:06d}>", "") for i in range(WANTED * trainer.prompt_rounds())]
-    batch, metrics = trainer.make_batch(examples)
+    batch, metrics = trainer.make_batch(examples, corun.RolloutContext(0, torch.Generator()))
     # Each round draws the next slice of the step's prompts.
     for index, chunk in enumerate(script.chunks):
         assert chunk == examples[index * WANTED : (index + 1) * WANTED]

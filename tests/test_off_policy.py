@@ -8,9 +8,9 @@ from pathlib import Path
 
 import torch
 
-import corun
 from tests.conftest import make_config
-from trainers.grpo import GRPOTrainer
+from tests.loops import Harness
+from trainers.lm.grpo import GRPOTrainer
 from trainers.pg import clipped_surrogate, decoupled_surrogate
 
 
@@ -50,12 +50,10 @@ def test_decoupled_step_equals_plain_step_on_policy(tmp_path: Path) -> None:
              "off_policy_correction": correction},
             data={"batch_size": 4},
         )  # fmt: skip
-        corun.seed_everything(0)
-        trainer = GRPOTrainer(config)
-        trainer.setup(corun.SetupContext(config))
-        data = trainer.dataset()
+        harness = Harness(GRPOTrainer, config, seed=0)
+        trainer = harness.trainer
         for step in range(2):
-            metrics = trainer.train_step(trainer.rollout(data.batch(step), step))
+            metrics = harness.update(harness.rollout(step))
             trainer.sync_weights(step + 1)
         if correction == "decoupled":
             assert abs(metrics["train/importance_weight_mean"] - 1.0) < 1e-5

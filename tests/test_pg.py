@@ -65,17 +65,30 @@ def test_group_advantages_batch_scope() -> None:
     close(adv, [a, -a, -a, a, 0, 0, 0, 0])
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, F64])
 @pytest.mark.parametrize("scope", ["group", "batch"])
 @pytest.mark.parametrize("std_norm", [True, False])
-@pytest.mark.parametrize("value", [0.0, 0.37, 1.0])
-def test_equal_rewards_give_exactly_zero(scope: Any, std_norm: bool, value: float) -> None:
-    adv = group_advantages(torch.full((12,), value), 4, scope, std_norm)
-    assert torch.equal(adv, torch.zeros(12))
+@pytest.mark.parametrize(
+    ("value", "size", "group_size"), [(0.0, 12, 4), (0.37, 12, 4), (0.3, 16, 8)]
+)
+def test_equal_rewards_give_exactly_zero(
+    dtype: torch.dtype, scope: Any, std_norm: bool, value: float, size: int, group_size: int
+) -> None:
+    # (0.3, 16, 8) is the reported case: 0.0298 per row in float32, the group mean
+    # one rounding step off 0.3 and divided by std ≈ 0 plus 1e-6.
+    adv = group_advantages(torch.full((size,), value, dtype=dtype), group_size, scope, std_norm)
+    assert torch.equal(adv, torch.zeros(size, dtype=dtype))
 
 
-def test_group_advantages_bad_size() -> None:
+def test_group_advantages_bad_arguments() -> None:
     with pytest.raises(ValueError, match="7 rewards"):
         group_advantages(torch.ones(7), 4)
+    with pytest.raises(ValueError, match="group_size must be at least 1"):
+        group_advantages(torch.ones(4), 0)
+    with pytest.raises(ValueError, match="unknown advantage scope"):
+        group_advantages(torch.ones(4), 2, "prompt")  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="7 rewards"):
+        zero_std_groups(torch.ones(7), 4)
 
 
 def test_zero_std_groups_mixed() -> None:
@@ -187,9 +200,15 @@ MASK = torch.tensor([[True, True, False], [True, False, False]])
 )
 def test_aggregate(mode: Any, expected: float) -> None:
     assert float(aggregate(LOSS, MASK, mode)) == pytest.approx(expected)
-    # Padding never counts, whatever its loss.
-    noisy = LOSS.masked_fill(~MASK, 1e6)
-    assert float(aggregate(noisy, MASK, mode)) == pytest.approx(expected)
+    # Padding never counts, whatever its loss (inf and NaN included).
+    for garbage in (1e6, math.inf, math.nan):
+        noisy = LOSS.masked_fill(~MASK, garbage)
+        assert float(aggregate(noisy, MASK, mode)) == pytest.approx(expected)
+
+
+def test_aggregate_unknown_mode() -> None:
+    with pytest.raises(ValueError, match="unknown loss aggregation 'seq-mean'"):
+        aggregate(LOSS, MASK, "seq-mean")  # type: ignore[arg-type]
 
 
 # ----------------------------------------------------------------------------- KL

@@ -31,6 +31,37 @@ def test_corun_never_imports_trainers() -> None:
     assert offenders == []
 
 
+def _corun_imports(path: Path) -> set[str]:
+    """The corun modules ``path`` imports, anywhere in it (function-local ones too)."""
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            found |= {alias.name for alias in node.names if alias.name.startswith("corun.")}
+        elif isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("corun"):
+            if node.module == "corun":  # `from corun import checkpoint`: submodules
+                found |= {f"corun.{alias.name}" for alias in node.names}
+            else:
+                found.add(node.module)
+    return found
+
+
+def test_corun_has_no_import_cycles() -> None:
+    modules = {f"corun.{p.stem}": p for p in _python_files("corun") if p.stem != "__init__"}
+    graph = {name: _corun_imports(path) & modules.keys() for name, path in modules.items()}
+    cycles = []
+
+    def visit(name: str, trail: list[str]) -> None:
+        if name in trail:
+            cycles.append(" -> ".join([*trail[trail.index(name) :], name]))
+            return
+        for imported in sorted(graph[name]):
+            visit(imported, [*trail, name])
+
+    for name in sorted(graph):
+        visit(name, [])
+    assert cycles == []
+
+
 def test_trainers_use_only_corun_public_modules() -> None:
     """trainers/ may import corun's documented modules, never private names."""
     offenders = []
@@ -54,8 +85,12 @@ def test_no_source_file_exceeds_limit() -> None:
 
 @pytest.mark.parametrize(
     "command",
-    [["ruff", "check", "corun", "trainers", "tests", "benchmarks"], ["mypy"]],
-    ids=["ruff", "mypy"],
+    [
+        ["ruff", "check", "corun", "trainers", "tests", "benchmarks"],
+        ["mypy"],  # corun/ and trainers/ (pyproject.toml)
+        ["mypy", "--strict", "-p", "corun"],
+    ],
+    ids=["ruff", "mypy", "mypy-strict-corun"],
 )
 def test_linters_clean(command: list[str]) -> None:
     result = subprocess.run(

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 import corun
-from corun.events import read_jsonl
+from corun.events import read_records
 from tests.conftest import make_config
 from tests.fakes import FakeTrainer
 
@@ -32,7 +32,7 @@ def _training_metrics(run_dir: Path) -> list[dict[str, Any]]:
     """Per-step records without timings (which differ between runs)."""
     return [
         {k: v for k, v in record.items() if not k.startswith("perf/")}
-        for record in read_jsonl(run_dir / "metrics.jsonl")
+        for record in read_records(run_dir / "metrics.jsonl")
         if "train/loss" in record
     ]
 
@@ -68,10 +68,10 @@ async def test_resume_equals_uninterrupted(tmp_path: Path) -> None:
     assert [c for c in resumed.calls if c.startswith("rollout")] == [
         f"rollout:{i}" for i in range(4, 8)
     ]
-    starts = [r for r in read_jsonl(tmp_path / "split" / "events.jsonl") if r["event"] == "start"]
+    starts = [r for r in read_records(tmp_path / "split" / "events.jsonl") if r["event"] == "start"]
     assert len(starts) == 2 and starts[0]["run_id"] == starts[1]["run_id"]
     assert starts[1]["resumed"] is True
-    sync = [r for r in read_jsonl(tmp_path / "split" / "events.jsonl") if r["event"] == "sync"]
+    sync = [r for r in read_records(tmp_path / "split" / "events.jsonl") if r["event"] == "sync"]
     assert {"step": 4, "forced": True}.items() <= sync[4].items()
 
 

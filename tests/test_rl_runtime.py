@@ -14,15 +14,16 @@ import pytest
 import torch
 
 import corun
-from corun.events import read_jsonl
+from corun.events import read_records
 from tests.conftest import make_config
+from tests.loops import handwritten_loop, without_timings
 from tests.test_resume import assert_state_equal
-from trainers.grpo import GRPOTrainer
+from trainers.lm.grpo import GRPOTrainer
 from trainers.lm.policy import HeldOutEval, policy_from
+from trainers.lm.ppo import PPOTrainer
 from trainers.lm.rl import LMPolicyTrainer
+from trainers.lm.sft import SFTTrainer
 from trainers.lm.tasks import EOS, TASKS, decode_responses
-from trainers.ppo import PPOTrainer
-from trainers.sft import SFTTrainer
 
 pytestmark = pytest.mark.anyio
 
@@ -49,37 +50,17 @@ def _config(
     )
 
 
-def _without_perf(record: dict[str, Any]) -> dict[str, Any]:
-    return {k: v for k, v in record.items() if not k.startswith("perf/")}
-
-
 def _step_records(run_dir: Path) -> list[dict[str, Any]]:
     """One record per train step (rollout and train metrics), timings left out."""
     return [
-        _without_perf(record)
-        for record in read_jsonl(run_dir / "metrics.jsonl")
+        without_timings(record)
+        for record in read_records(run_dir / "metrics.jsonl")
         if "train/loss" in record
     ]
 
 
 def _events(run_dir: Path, *names: str) -> list[dict[str, Any]]:
-    return [r for r in read_jsonl(run_dir / "events.jsonl") if r["event"] in names]
-
-
-def handwritten_loop(config: corun.Config) -> tuple[LMPolicyTrainer[Any], list[dict[str, Any]]]:
-    """What a person writes without corun: seed, build, then rollout → train → sync."""
-    corun.seed_everything(config.run.seed)
-    trainer = TRAINERS[config.trainer.kind](config)
-    trainer.setup(corun.SetupContext(config))
-    data = trainer.dataset()
-    records = []
-    for step in range(config.run.steps):
-        batch = trainer.rollout(data.batch(step), step)
-        metrics = trainer.train_step(batch)
-        records.append(_without_perf({"step": step + 1, **metrics, **batch.metrics}))
-        if (step + 1) % config.loop.sync_interval == 0:
-            trainer.sync_weights(step + 1)
-    return trainer, records
+    return [r for r in read_records(run_dir / "events.jsonl") if r["event"] in names]
 
 
 def _engine_weights(trainer: LMPolicyTrainer[Any]) -> dict[str, torch.Tensor]:
@@ -90,35 +71,37 @@ def _engine_weights(trainer: LMPolicyTrainer[Any]) -> dict[str, torch.Tensor]:
 
 
 @pytest.mark.parametrize(
-    ("kind", "sync_interval", "variant"),
+    ("kind", "loop", "variant"),
     [
-        ("grpo", 1, {"mini_batches": 2, "clip_high": 0.28}),
-        ("grpo", 2, {"kl_coef": 0.1}),
-        ("ppo", 1, {"mini_batches": 2}),
+        ("grpo", {"mini_batches": 2}, {"clip_high": 0.28}),
+        ("grpo", {"sync_interval": 2}, {"kl_coef": 0.1}),
+        ("ppo", {"mini_batches": 2}, {}),
+        ("grpo", {"mini_batches": 2}, {"off_policy_correction": "decoupled"}),
     ],
-    ids=["grpo-sync1-minibatches-cliphigh", "grpo-sync2-kl", "ppo-sync1-minibatches"],
+    ids=["grpo-minibatches-cliphigh", "grpo-sync2-kl", "ppo-minibatches", "grpo-decoupled"],
 )
 async def test_run_equals_handwritten_loop(
-    tmp_path: Path, anyio_backend: str, kind: str, sync_interval: int, variant: dict[str, Any]
+    tmp_path: Path, anyio_backend: str, kind: str, loop: dict[str, Any], variant: dict[str, Any]
 ) -> None:
     """At concurrency 1 the template makes the hand-written loop's calls in its order:
     the same seeds give bitwise-equal weights, optimizer state, engine weights and
     per-step metrics (the metrics include the sampled responses' rewards and lengths,
-    so any extra draw from the global RNG would show)."""
-    config = _config(tmp_path / "run", kind, 3, variant, sync_interval=sync_interval)
+    so a draw from anywhere but the rollout's generator would show)."""
+    config = _config(tmp_path / "run", kind, 3, variant, **loop)
     trainer = TRAINERS[kind](config)
     with anyio.fail_after(60):
         await corun.run(trainer, config)
     reference, records = handwritten_loop(
-        _config(tmp_path / "ref", kind, 3, variant, sync_interval=sync_interval)
+        TRAINERS[kind], _config(tmp_path / "ref", kind, 3, variant, **loop)
     )
+    sync_interval = loop.get("sync_interval", 1)
     assert_state_equal(trainer.state_dict(), reference.state_dict())
     assert_state_equal(_engine_weights(trainer), _engine_weights(reference))
     assert trainer.engine.version == reference.engine.version == 3 - 3 % sync_interval
-    assert _step_records(tmp_path / "run") == records
+    assert _step_records(tmp_path / "run") == [without_timings(r) for r in records]
     # The settings under test did something: a learning signal, clipping, the KL anchor.
     assert any(r["rollout/reward_std"] > 0 for r in records)
-    if variant.get("mini_batches", 1) > 1:  # the second update is off-policy
+    if loop.get("mini_batches", 1) > 1:  # the second update is off-policy
         assert any(r["train/clip_ratio"] > 0 for r in records)
     if variant.get("kl_coef"):
         assert trainer.reference is not None and records[-1]["train/kl"] > 0
@@ -137,13 +120,13 @@ class RecordingGRPO(GRPOTrainer):
         self.calls: list[str] = []
         self.batch_versions: list[tuple[int, int]] = []
 
-    def rollout(self, examples: list[tuple[str, str]], step: int) -> corun.Batch:
-        self.calls.append(f"rollout:{step}@{self.engine.version}")
-        return super().rollout(examples, step)
+    def rollout(self, examples: list[tuple[str, str]], ctx: corun.RolloutContext) -> corun.Batch:
+        self.calls.append(f"rollout:{ctx.index}@{self.engine.version}")
+        return super().rollout(examples, ctx)
 
-    def train_step(self, batch: corun.Batch) -> dict[str, float]:
+    def prepare(self, batch: corun.Batch) -> Any:
         self.batch_versions.append((batch.version, batch.data.rollouts.version))
-        return super().train_step(batch)
+        return super().prepare(batch)
 
     def sync_weights(self, version: int) -> None:
         self.calls.append(f"sync:{version}")
@@ -189,7 +172,7 @@ async def test_resume_forces_the_first_sync_before_any_rollout(tmp_path: Path) -
     ]  # fmt: skip
     assert resumed.batch_versions == [(4, 4), (4, 4)]
     assert _syncs(run_dir) == [(2, 2, False), (4, 4, False), (4, 4, True), (6, 6, False)]
-    second_run = read_jsonl(run_dir / "events.jsonl")
+    second_run = read_records(run_dir / "events.jsonl")
     second_run = second_run[[r["event"] for r in second_run].index("start", 1) :]
     order = [r["event"] for r in second_run if r["event"] in ("restore", "sync", "step")]
     assert order == ["restore", "sync", "step", "step", "sync"]
@@ -213,9 +196,9 @@ async def test_resume_equals_uninterrupted(
     tmp_path: Path, kind: str, sync_interval: int, split_at: int
 ) -> None:
     """6 steps straight == ``split_at`` steps, then resumed to 6: policy, optimizer and
-    PPO's value head bitwise, and the same losses and sampled rewards per step. The
-    rollouts sample from the global torch RNG, so this holds only if the checkpoint
-    restores it, and only if the resumed engine samples with the weights it had."""
+    PPO's value head bitwise, and the same losses and sampled rewards per step. Each
+    rollout draws from its index's generator, so this holds with nothing restored but
+    the weights, and only if the resumed engine samples with the weights it had."""
     loop = {"sync_interval": sync_interval, "save_interval": split_at}
     with anyio.fail_after(60):
         straight = TRAINERS[kind](_config(tmp_path / "straight", kind, 6, **loop))
@@ -288,7 +271,7 @@ async def learn_from_sft_warm_start(root: Path, seed: int) -> dict[str, float]:
     with anyio.fail_after(180):
         await corun.run(SFTTrainer(sft), sft)
         await corun.run(GRPOTrainer(grpo), grpo)
-    evals = [r for r in read_jsonl(root / "grpo" / "metrics.jsonl") if "eval/reward" in r]
+    evals = [r for r in read_records(root / "grpo" / "metrics.jsonl") if "eval/reward" in r]
     assert [r["step"] for r in evals] == [0, LEARN_STEPS]
     before = _held_out_rewards(warm_start)
     after = _held_out_rewards(root / "grpo" / "checkpoints" / f"step-{LEARN_STEPS}")
@@ -367,7 +350,7 @@ async def test_init_from_config_trains_the_prerequisite_once(tmp_path: Path) -> 
     assert len(_events(sft_dir, "start")) == 1  # the second GRPO run trained no SFT
     # Both GRPO runs started from SFT's final weights (the KL anchor is the initial
     # policy), and training the prerequisite inside the first run left no trace on it.
-    sft_weights = torch.load(sft_final / "trainer.pt", weights_only=True)["model"]
+    sft_weights = torch.load(sft_final / "trainer.pt", weights_only=True)["trainer"]["model"]
     for trainer in trainers:
         assert trainer.reference is not None
         assert_state_equal(trainer.reference.state_dict(), sft_weights)

@@ -10,10 +10,11 @@ import anyio
 import pytest
 
 import corun
-from corun.events import read_jsonl
+from corun.events import read_records
 from tests.conftest import make_config
+from tests.loops import handwritten_loop, step_records
 from tests.test_resume import assert_state_equal
-from trainers.sft import SFTTrainer
+from trainers.lm.sft import SFTTrainer
 
 pytestmark = pytest.mark.anyio
 
@@ -30,34 +31,16 @@ def _config(run_dir: Path, steps: int, **loop: Any) -> corun.Config:
     )
 
 
-def handwritten_loop(config: corun.Config) -> tuple[SFTTrainer, list[float]]:
-    """What a person writes without corun: seed, build, then rollout → train → eval."""
-    corun.seed_everything(config.run.seed)
-    trainer = SFTTrainer(config)
-    trainer.setup(corun.SetupContext(config))
-    data = trainer.dataset()
-    trainer.evaluate()
-    losses = []
-    for step in range(config.run.steps):
-        batch = trainer.rollout(data.batch(step), step)
-        losses.append(trainer.train_step(batch)["train/loss"])
-        if (step + 1) % config.loop.eval_interval == 0:
-            trainer.evaluate()
-    return trainer, losses
-
-
-def _losses(run_dir: Path) -> list[float]:
-    return [r["train/loss"] for r in read_jsonl(run_dir / "metrics.jsonl") if "train/loss" in r]
-
-
 async def test_run_equals_handwritten_loop(tmp_path: Path, anyio_backend: str) -> None:
+    """Evaluation draws nothing and changes nothing, so the hand-written loop (which
+    never evaluates) must match a run with periodic evals, step for step."""
     config = _config(tmp_path / "run", steps=4)
     trainer = SFTTrainer(config)
     with anyio.fail_after(60):
         await corun.run(trainer, config)
-    reference, losses = handwritten_loop(_config(tmp_path / "ref", steps=4))
+    reference, records = handwritten_loop(SFTTrainer, _config(tmp_path / "ref", steps=4))
     assert_state_equal(trainer.state_dict(), reference.state_dict())
-    assert _losses(tmp_path / "run") == losses
+    assert step_records(tmp_path / "run") == records
 
 
 def test_asyncio_equals_trio(tmp_path: Path) -> None:
@@ -79,7 +62,7 @@ async def test_resume_parity(tmp_path: Path) -> None:
         resumed = SFTTrainer(_config(tmp_path / "split", steps=8))
         await corun.run(resumed, resumed.run_config)
     assert_state_equal(straight.state_dict(), resumed.state_dict())
-    assert _losses(tmp_path / "straight") == _losses(tmp_path / "split")
+    assert step_records(tmp_path / "straight") == step_records(tmp_path / "split")
 
 
 async def test_sft_learns(tmp_path: Path) -> None:
@@ -93,7 +76,7 @@ async def test_sft_learns(tmp_path: Path) -> None:
     )
     with anyio.fail_after(120):
         await corun.run(SFTTrainer(config), config)
-    evals = [r for r in read_jsonl(tmp_path / "run" / "metrics.jsonl") if "eval/loss" in r]
+    evals = [r for r in read_records(tmp_path / "run" / "metrics.jsonl") if "eval/loss" in r]
     first, last = evals[0], evals[-1]
     assert (first["step"], last["step"]) == (0, 60)
     assert last["eval/loss"] < 0.5 * first["eval/loss"]

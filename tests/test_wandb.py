@@ -11,7 +11,7 @@ import anyio
 import pytest
 
 import corun
-from corun.events import read_jsonl
+from corun.events import read_records
 from tests.conftest import make_config
 from tests.fakes import FakeTrainer
 
@@ -36,7 +36,7 @@ def test_offline_run_reattaches_and_leaves_no_process(
         )  # fmt: skip
         anyio.run(corun.run, FakeTrainer(config), config)
         assert _children() == []
-    run_ids = {r["run_id"] for r in read_jsonl(run_dir / "events.jsonl")
+    run_ids = {r["run_id"] for r in read_records(run_dir / "events.jsonl")
                if r["event"] == "start"}  # fmt: skip
     assert len(run_ids) == 1
     run_id = run_ids.pop()
@@ -66,7 +66,7 @@ def test_images_go_to_metrics_and_wandb(tmp_path: Path, monkeypatch: pytest.Monk
     )  # fmt: skip
     anyio.run(corun.run, ImageTrainer(config), config)
     logged = [
-        r["eval/samples"] for r in read_jsonl(tmp_path / "metrics.jsonl") if "eval/samples" in r
+        r["eval/samples"] for r in read_records(tmp_path / "metrics.jsonl") if "eval/samples" in r
     ]
     assert logged == [str(tmp_path / "samples-0.png"), str(tmp_path / "samples-2.png")]
     media = list((tmp_path / "wandb").glob("offline-run-*/files/media/images/**/*.png"))

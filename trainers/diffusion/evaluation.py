@@ -14,9 +14,10 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
+import corun
 from trainers.diffusion.grid import save_grid
 from trainers.diffusion.sampling import VelocityModel, flow_matching_loss, sample_ode
-from trainers.diffusion.shapes import IMAGE_SIZE, captions, eval_tokens, render, score, stable_seed
+from trainers.diffusion.shapes import IMAGE_SIZE, captions, eval_tokens, render, score
 
 
 class HeldOutEval:
@@ -27,7 +28,7 @@ class HeldOutEval:
         self.tokens = eval_tokens(size)
         self.samples_dir = samples_dir
         self.grid_size = grid_size
-        generator = torch.Generator().manual_seed(stable_seed("flow-eval"))
+        generator = corun.generator("flow-eval")
         shape = (size, 3, IMAGE_SIZE, IMAGE_SIZE)
         self.noise = torch.randn(shape, generator=generator)
         # The loss batch: images as the training data renders them, its own times and noise.
@@ -66,7 +67,7 @@ class HeldOutEval:
             names = captions(self.tokens[:n]) if labels is None else list(labels[:n])
             save_grid(images[:n], names, self.grid_path(step))
         return {
-            "eval/reward_mean": float(rewards.total.mean()),
+            "eval/reward": float(rewards.total.mean()),
             "eval/color_reward": float(rewards.color.mean()),
             "eval/position_reward": float(rewards.position.mean()),
         }

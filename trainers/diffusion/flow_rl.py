@@ -15,14 +15,13 @@ clipping would then bite always.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Annotated, Literal
 
 import msgspec
 import torch
 from torch import Tensor
 
-from corun.compute import cancel_point
 from trainers.diffusion.sampling import Trajectory, VelocityModel, sample_sde, step_log_prob
 from trainers.diffusion.shapes import Rewards, score
 from trainers.pg import AdvantageScope, clipped_surrogate, group_advantages, zero_std_groups
@@ -73,6 +72,17 @@ class ImageGroups:
     # rewrite token with the part of the reward it controls).
     scores: Rewards | None = None
 
+    def __len__(self) -> int:
+        return len(self.trajectory)
+
+    def rows(self, rows: slice) -> ImageGroups:
+        """Some images (a mini-batch); the trained steps are shared."""
+        return replace(
+            self, trajectory=self.trajectory.rows(rows), rewards=self.rewards[rows],
+            advantages=self.advantages[rows],
+            scores=None if self.scores is None else Rewards(*(t[rows] for t in self.scores)),
+        )  # fmt: skip
+
 
 def sample_groups(
     sampler: VelocityModel, conditions: Tensor, targets: Tensor, settings: FlowGRPOSettings,
@@ -105,36 +115,31 @@ def sample_groups(
     return ImageGroups(trajectory, rewards.total, clipped, steps, rewards), metrics
 
 
-def flow_grpo_backward(
-    model: VelocityModel, reference: VelocityModel | None, groups: ImageGroups,
-    settings: FlowGRPOSettings, weight: float = 1.0,
-) -> dict[str, float]:  # fmt: skip
-    """Backpropagate ``weight`` × the mean clipped loss over the groups' trained steps
-    (one backward per step, so memory holds one step's graph); returns the per-step
-    means of ``loss``, ``clip_ratio``, ``kl`` and ``approx_kl``."""
+def flow_grpo_step_loss(
+    model: VelocityModel, reference: VelocityModel | None, groups: ImageGroups, step: int,
+    settings: FlowGRPOSettings,
+) -> tuple[Tensor, dict[str, float]]:  # fmt: skip
+    """The mean clipped loss (+ KL) of the groups' transitions at denoising ``step``, and
+    its ``clip_ratio``, ``kl`` and ``approx_kl``. A trainer backpropagates one step at a
+    time (micro-batches), so memory holds one step's graph."""
     trajectory, advantages = groups.trajectory, groups.advantages
     pixels = trajectory.latents[0, 0].numel()
-    sums = dict.fromkeys(("loss", "clip_ratio", "kl", "approx_kl"), 0.0)
-    for i, step in enumerate(groups.steps):
-        if i:
-            cancel_point()
-        density = step_log_prob(model, trajectory, step)
-        logp, old_logp = density.log_prob / pixels, trajectory.log_probs[:, step] / pixels
-        per_image, clipped = clipped_surrogate(
-            logp, old_logp, advantages, settings.clip_range, settings.clip_range
-        )
-        loss = per_image.mean()
-        kl = torch.zeros(())
-        if reference is not None:
-            with torch.no_grad():
-                anchor = step_log_prob(reference, trajectory, step).mean
-            # Two Gaussians of equal std: KL = |mean − anchor|² / (2·std²), per pixel.
-            distance = (density.mean - anchor).square().flatten(1).mean(dim=1)
-            kl = (distance / (2 * density.std.square())).mean()
-            loss = loss + settings.kl_coef * kl
-        (loss * weight / len(groups.steps)).backward()
-        sums["loss"] += float(loss.detach())
-        sums["clip_ratio"] += float(clipped.float().mean())
-        sums["kl"] += float(kl.detach())
-        sums["approx_kl"] += float((old_logp - logp.detach()).mean())
-    return {key: total / len(groups.steps) for key, total in sums.items()}
+    density = step_log_prob(model, trajectory, step)
+    logp, old_logp = density.log_prob / pixels, trajectory.log_probs[:, step] / pixels
+    per_image, clipped = clipped_surrogate(
+        logp, old_logp, advantages, settings.clip_range, settings.clip_range
+    )
+    loss = per_image.mean()
+    kl = torch.zeros(())
+    if reference is not None:
+        with torch.no_grad():
+            anchor = step_log_prob(reference, trajectory, step).mean
+        # Two Gaussians of equal std: KL = |mean − anchor|² / (2·std²), per pixel.
+        distance = (density.mean - anchor).square().flatten(1).mean(dim=1)
+        kl = (distance / (2 * density.std.square())).mean()
+        loss = loss + settings.kl_coef * kl
+    return loss, {
+        "clip_ratio": float(clipped.float().mean()),
+        "kl": float(kl.detach()),
+        "approx_kl": float((old_logp - logp.detach()).mean()),
+    }

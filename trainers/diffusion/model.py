@@ -25,8 +25,8 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from corun.errors import CheckpointError
-from trainers.common import rebuild, warm_start
 from trainers.diffusion.shapes import IMAGE_SIZE, PROMPT_LEN, VOCAB_SIZE
+from trainers.weights import rebuild, warm_start
 
 Size = Annotated[int, msgspec.Meta(ge=1)]
 

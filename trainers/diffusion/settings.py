@@ -28,6 +28,9 @@ class FlowTrainerConfig(TrainerConfig, frozen=True, forbid_unknown_fields=True, 
     sample_steps: PositiveInt = 10
     shift: PositiveFloat = 1.0
     cfg_scale: NonNegativeFloat = 1.0
+    weight_decay: NonNegativeFloat = 0.0
+    # Max global gradient norm; 0 turns clipping off (the norm is still reported).
+    grad_clip: NonNegativeFloat = 1.0
     # Held-out prompts sampled by every evaluation, and how many go in its PNG grid
     # (<run dir>/samples/step-<N>.png; 0 writes none).
     eval_size: PositiveInt = 72

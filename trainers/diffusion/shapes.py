@@ -20,13 +20,14 @@ global RNGs.
 
 from __future__ import annotations
 
-import hashlib
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import NamedTuple
 
 import torch
 from torch import Tensor
+
+import corun
 
 IMAGE_SIZE = 16
 
@@ -124,12 +125,6 @@ _COLOR_TABLE = torch.tensor(list(COLORS.values()))
 _PLACE_TABLE = torch.tensor(list(PLACES.values()))
 
 
-def stable_seed(*parts: object) -> int:
-    """A 63-bit seed from ``parts``, the same in every process (unlike ``hash()``)."""
-    text = "\x1f".join(str(part) for part in parts)
-    return int.from_bytes(hashlib.sha256(text.encode()).digest()[:8], "big") >> 1
-
-
 # ----------------------------------------------------------------------------- images
 
 _SUPERSAMPLE = 4  # anti-aliasing: coverage is the mean over 4×4 points per pixel
@@ -196,7 +191,7 @@ class ShapeData:
         self.jitter = jitter
 
     def batch(self, index: int) -> ShapeBatch:
-        generator = torch.Generator().manual_seed(stable_seed("shapes", self.seed, index))
+        generator = corun.generator("shapes", self.seed, index)
         tokens = sample_prompts(TRAIN_PROMPTS, self.batch_size, generator)
         return ShapeBatch(render(tokens, generator, self.jitter), tokens)
 

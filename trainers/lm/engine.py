@@ -42,7 +42,7 @@ class Rollouts:
     def sequences(self) -> Tensor:
         return torch.cat([self.prompt_ids, self.response_ids], dim=1)
 
-    def select(self, rows: Tensor) -> Rollouts:
+    def select(self, rows: Tensor | slice) -> Rollouts:
         return Rollouts(
             self.prompt_ids[rows], self.response_ids[rows], self.response_mask[rows],
             self.logprobs[rows], self.truncated[rows], self.token_versions[rows], self.version,

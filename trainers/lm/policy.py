@@ -11,9 +11,9 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from corun.errors import CheckpointError
-from trainers.common import rebuild, warm_start
 from trainers.lm.model import ModelConfig, TinyLM
 from trainers.lm.tasks import EOS, MAX_LEN, VOCAB_SIZE, Task, decode_responses, encode_prompts
+from trainers.weights import rebuild, warm_start
 
 
 def build_policy(d_model: int, n_layers: int, n_heads: int) -> TinyLM:

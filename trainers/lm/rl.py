@@ -1,26 +1,26 @@
 """What GRPO and PPO share on TinyLM: the policy (from scratch or warm-started from an
-SFT run), the rollout engine and its weight sync, sampling and scoring a batch,
-optimizer updates over disjoint mini-batches, evaluation and state.
+SFT run), the rollout engine and its weight sync, sampling and scoring a batch, the
+clipped policy loss (with the decoupled off-policy correction), evaluation and state.
 
 A subclass supplies only its algorithm: how a scored batch becomes training data
-(``make_batch``, e.g. group advantages) and the loss of one mini-batch (``loss``).
+(``make_batch``, e.g. group advantages), per-batch preparation (``prepare_data``) and
+the loss of a slice of rows (``rows_loss``). The runtime splits batches into
+``loop.mini_batches`` optimizer steps and applies them.
 """
 
 from __future__ import annotations
 
 import time
 from dataclasses import dataclass
-from typing import Annotated, Any, Literal, Protocol, TypeVar
+from typing import Annotated, Any, Generic, Literal, Protocol, TypeVar
 
 import msgspec
 import torch
 from msgspec.structs import asdict
 from torch import Tensor
 
-from corun.data import Dataset
-from corun.pipeline import is_config
-from corun.trainer import Batch, SetupContext, Trainer
-from trainers.common import apply_update, frozen_copy
+from corun import Batch, ConfigError, Dataset, Part, RolloutContext, SetupContext, Trainer
+from corun.prerequisites import is_config
 from trainers.lm.engine import LocalEngine, Rollouts
 from trainers.lm.model import TinyLM
 from trainers.lm.policy import (
@@ -41,7 +41,7 @@ from trainers.pg import (
     decoupled_surrogate,
     kl_k3,
 )
-from trainers.replicas import Replicas
+from trainers.weights import Replicas, frozen_copy
 
 UnitFloat = Annotated[float, msgspec.Meta(gt=0, le=1)]
 
@@ -65,21 +65,21 @@ class RLConfig(LMTrainerConfig, frozen=True, forbid_unknown_fields=True, kw_only
     loss_agg: LossAggregation = "token-mean"
     # KL to the frozen initial policy (k3 estimator); 0 skips the reference model.
     kl_coef: NonNegativeFloat = 0.0
-    # Optimizer updates per rollout batch, each on a disjoint slice of it.
-    mini_batches: PositiveInt = 1
     # Stale batches (concurrency > 1): "decoupled" clips against the weights before
     # this batch's updates and weighs tokens by π_prox/π_behaviour, capped.
     off_policy_correction: Literal["none", "decoupled"] = "none"
     importance_cap: Annotated[float, msgspec.Meta(ge=1)] = 2.0
     # A generation in flight when new weights are published (concurrency > 1):
     # "drain" finishes it on the weights it started with; "interrupt" switches to the
-    # new weights between decode steps and continues from the prefix (partial rollout).
+    # new weights between decode steps and continues from the prefix (partial rollout;
+    # timing decides where, so not with loop.version_schedule = "fixed").
     inflight_at_sync: Literal["drain", "interrupt"] = "drain"
     grad_clip: NonNegativeFloat = 1.0
     eval_size: PositiveInt = 512
 
 
 C = TypeVar("C", bound=RLConfig)
+D = TypeVar("D")
 
 
 @dataclass
@@ -91,6 +91,15 @@ class Scored:
     rewards: Tensor  # (N,)
 
 
+@dataclass
+class Prepared(Generic[D]):
+    """A batch's training data after ``prepare``."""
+
+    data: D
+    # Log-probs under the weights before this batch's update (decoupled correction).
+    proximal: Tensor | None
+
+
 class LMPolicyTrainer(Trainer[C]):
     """Base of GRPO and PPO on TinyLM; subclasses implement ``make_batch`` and ``loss``."""
 
@@ -100,6 +109,11 @@ class LMPolicyTrainer(Trainer[C]):
 
     def setup(self, ctx: SetupContext) -> None:
         cfg = self.config
+        if cfg.inflight_at_sync == "interrupt" and ctx.config.loop.version_schedule == "fixed":
+            raise ConfigError(
+                '`$.trainer.inflight_at_sync` = "interrupt": a partial rollout switches weights '
+                'when a publish happens to come, which loop.version_schedule = "fixed" forbids'
+            )
         self.task = TASKS[cfg.task]
         if cfg.init_from:
             self.policy = policy_from(cfg.init_from)
@@ -110,14 +124,14 @@ class LMPolicyTrainer(Trainer[C]):
         self.extra_modules = self.build_extra_modules()
         params = [*self.policy.parameters(), *self.extra_parameters()]
         self.optimizer = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=0.0)
+        ctx.add_optimizer(self.optimizer, grad_clip=cfg.grad_clip)
         # The rollout engine: the train thread's, updated in place at each sync, and
         # one replica per rollout worker thread (concurrency > 1).
         self.replicas: Replicas[LocalEngine] = Replicas(
             LocalEngine(self.policy), self._engine_replica, LocalEngine.update_weights,
-            shared=self.run_config.loop.concurrency > 1, initial=self.policy.state_dict(),
+            initial=self.policy.state_dict(), ctx=ctx,
         )  # fmt: skip
         self.engine = self.replicas.home
-        self._proximal: Tensor | None = None  # per batch, with the decoupled correction
         self.held_out = HeldOutEval(self.task, cfg.eval_size)
         self.max_new_tokens = cfg.max_new_tokens or self.task.max_answer_len + 1
 
@@ -137,21 +151,24 @@ class LMPolicyTrainer(Trainer[C]):
         return 1
 
     # ---- rollout
-    def rollout(self, examples: list[tuple[str, str]], step: int) -> Batch:
+    def rollout(self, examples: list[tuple[str, str]], ctx: RolloutContext) -> Batch:
         started = time.monotonic()
-        data, metrics = self.make_batch(examples)
+        data, metrics = self.make_batch(examples, ctx)
         metrics["perf/rollout_total_time_s"] = time.monotonic() - started
         return Batch(data, metrics=metrics, version=data.rollouts.version)
 
-    def sample_and_score(self, examples: list[tuple[str, str]]) -> tuple[Scored, dict[str, float]]:
+    def sample_and_score(
+        self, examples: list[tuple[str, str]], ctx: RolloutContext
+    ) -> tuple[Scored, dict[str, float]]:
         """Sample ``samples_per_prompt`` responses per prompt and score them."""
         cfg, n = self.config, self.config.samples_per_prompt
         started = time.monotonic()
-        engine = self.replicas.local()[0]
+        engine = self.replicas.local(ctx.version)[0]
         interrupt = cfg.inflight_at_sync == "interrupt" and engine is not self.engine
         rollouts = engine.generate(
             encode_prompts([p for p, _ in examples]), n, self.max_new_tokens, cfg.temperature,
-            cfg.top_p, newer_weights=(lambda: self.replicas.latest) if interrupt else None,
+            cfg.top_p, generator=ctx.generator,
+            newer_weights=(lambda: self.replicas.latest) if interrupt else None,
         )  # fmt: skip
         generated = time.monotonic()
         rewards, reward_metrics = task_rewards(
@@ -167,53 +184,49 @@ class LMPolicyTrainer(Trainer[C]):
         }
         return Scored(rollouts, prompts, rewards), metrics
 
-    def make_batch(self, examples: list[tuple[str, str]]) -> tuple[Any, dict[str, float]]:
+    def make_batch(
+        self, examples: list[tuple[str, str]], ctx: RolloutContext
+    ) -> tuple[Any, dict[str, float]]:
         raise NotImplementedError
 
     # ---- train
-    def train_step(self, batch: Batch) -> dict[str, float]:
-        """``mini_batches`` optimizer updates over disjoint row slices of the batch."""
-        data = self.prepare(batch.data)
-        rows = torch.arange(data.rollouts.prompt_ids.shape[0])
-        self._proximal = None
+    def prepare(self, batch: Batch) -> Prepared[Any]:
+        data = self.prepare_data(batch.data)
+        proximal = None
         if self.config.off_policy_correction == "decoupled":
-            with torch.no_grad():  # the policy before this batch's updates
-                self._proximal, _, _ = response_logprobs(
-                    self.policy, data.rollouts.sequences, data.rollouts.prompt_ids.shape[1],
+            rollouts = data.rollouts
+            with torch.no_grad():  # the policy before this batch's update
+                proximal, _, _ = response_logprobs(
+                    self.policy, rollouts.sequences, rollouts.prompt_ids.shape[1],
                     self.config.temperature,
                 )  # fmt: skip
-        totals: dict[str, float] = {}
-        self.policy.train()
-        for part in rows.tensor_split(min(self.config.mini_batches, rows.numel())):
-            self.optimizer.zero_grad(set_to_none=True)
-            loss, metrics = self.loss(data, part)
-            loss.backward()
-            params = [*self.policy.parameters(), *self.extra_parameters()]
-            grad_norm = apply_update(params, self.optimizer, self.config.grad_clip)
-            metrics |= {"train/loss": float(loss.detach()), "train/grad_norm": grad_norm}
-            for key, value in metrics.items():
-                totals[key] = totals.get(key, 0.0) + value
-        parts = min(self.config.mini_batches, rows.numel())
-        return {key: value / parts for key, value in totals.items()}
+        return Prepared(data, proximal)
 
-    def prepare(self, data: Any) -> Any:
-        """Per-batch work before the updates (PPO: old values and GAE)."""
+    def prepare_data(self, data: Any) -> Any:
+        """Per-batch work before the update (PPO: old values and GAE)."""
         return data
 
-    def loss(self, data: Any, rows: Tensor) -> tuple[Tensor, dict[str, float]]:
+    def loss(self, batch: Batch, part: Part) -> tuple[Tensor, dict[str, float]]:
+        prepared: Prepared[Any] = batch.data
+        self.policy.train()
+        rows = part.rows(prepared.data.rollouts.prompt_ids.shape[0])
+        return self.rows_loss(prepared.data, rows, prepared.proximal)
+
+    def rows_loss(
+        self, data: Any, rows: slice, proximal: Tensor | None
+    ) -> tuple[Tensor, dict[str, float]]:
         raise NotImplementedError
 
     def policy_loss(
-        self, rollouts: Rollouts, rows: Tensor, advantages: Tensor
+        self, rollouts: Rollouts, rows: slice, advantages: Tensor, proximal: Tensor | None
     ) -> tuple[Tensor, dict[str, float], Tensor]:
         """Clipped surrogate (+ KL) over ``rows``; ``advantages`` is (rows, 1) or (rows, T)."""
         cfg = self.config
-        loss, metrics, hidden = clipped_policy_loss(
+        return clipped_policy_loss(
             self.policy, rollouts.select(rows), advantages, cfg,
-            proximal=None if self._proximal is None else self._proximal[rows],
+            proximal=None if proximal is None else proximal[rows],
             importance_cap=cfg.importance_cap, reference=self.reference, kl_coef=cfg.kl_coef,
         )  # fmt: skip
-        return loss, {f"train/{key}": value for key, value in metrics.items()}, hidden
 
     # ---- sync, eval, state
     def _engine_replica(self, state: dict[str, Tensor], version: int) -> LocalEngine:
@@ -243,10 +256,15 @@ class LMPolicyTrainer(Trainer[C]):
 
 
 class PolicyLossSettings(Protocol):
-    temperature: float
-    clip_low: float
-    clip_high: float
-    loss_agg: LossAggregation
+    # Read-only, as the frozen config Structs that satisfy it.
+    @property
+    def temperature(self) -> float: ...
+    @property
+    def clip_low(self) -> float: ...
+    @property
+    def clip_high(self) -> float: ...
+    @property
+    def loss_agg(self) -> LossAggregation: ...
 
 
 def task_rewards(

@@ -157,13 +157,8 @@ class TokenBatch:
     def __len__(self) -> int:
         return self.inputs.shape[0]
 
-    def chunks(self, n: int) -> list[TokenBatch]:
-        """Up to ``n`` near-equal row slices (micro-batches); never an empty one."""
-        parts = zip(
-            *(t.tensor_split(n) for t in (self.inputs, self.targets, self.loss_mask)),
-            strict=True,
-        )
-        return [TokenBatch(*part) for part in parts if part[0].shape[0]]
+    def rows(self, rows: slice) -> TokenBatch:
+        return TokenBatch(self.inputs[rows], self.targets[rows], self.loss_mask[rows])
 
 
 def encode_examples(examples: Sequence[Example]) -> TokenBatch:

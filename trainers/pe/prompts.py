@@ -20,8 +20,9 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+import corun
 from trainers.diffusion import shapes
-from trainers.diffusion.shapes import Prompt, stable_seed
+from trainers.diffusion.shapes import Prompt
 from trainers.lm.tasks import EOS, PAD
 
 COLOR_WORDS = {
@@ -129,11 +130,11 @@ class UserData:
         self.plain = plain
 
     def batch(self, index: int) -> UserBatch:
-        generator = torch.Generator().manual_seed(stable_seed("pe-users", self.seed, index))
+        generator = corun.generator("pe-users", self.seed, index)
         targets = shapes.sample_prompts(shapes.TRAIN_PROMPTS, self.batch_size, generator)
         return user_batch(targets, generator, self.plain)
 
 
 def eval_users(targets: Tensor) -> UserBatch:
     """Fixed phrasings of held-out prompts (the same ones in every run)."""
-    return user_batch(targets, torch.Generator().manual_seed(stable_seed("pe-eval-users")))
+    return user_batch(targets, corun.generator("pe-eval-users"))

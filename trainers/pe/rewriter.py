@@ -15,10 +15,10 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from trainers.common import rebuild, warm_start
 from trainers.diffusion import shapes
 from trainers.lm.model import ModelConfig, TinyLM
 from trainers.pe.prompts import EOS, FLOW_BASE, PROMPT_LEN, REWRITE_LEN, SEP, VOCAB_SIZE
+from trainers.weights import rebuild, warm_start
 
 _BLOCKED = -1e9  # finite, so masked logits never turn a softmax into NaN
 

@@ -15,9 +15,7 @@ from typing import Annotated, Any, Generic, TypeVar
 import msgspec
 import torch
 
-from corun.config import TrainerConfig
-from corun.errors import ConfigError
-from corun.trainer import Image, SetupContext, Trainer
+from corun import ConfigError, Image, SetupContext, Trainer, TrainerConfig
 from trainers.diffusion.evaluation import HeldOutEval as ImageHeldOut
 from trainers.diffusion.shapes import ShapeBatch, ShapeData
 from trainers.lm.policy import HeldOutEval as TextHeldOut
@@ -104,6 +102,7 @@ class UnifiedBase(Trainer[C]):
         self.optimizer = torch.optim.AdamW(
             model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay
         )
+        ctx.add_optimizer(self.optimizer, grad_clip=cfg.grad_clip)
         self.task = TASKS[cfg.task]
         self.text_eval = TextHeldOut(self.task, cfg.text_eval_size)
         samples = ctx.config.run_dir / "samples"

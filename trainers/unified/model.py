@@ -22,10 +22,10 @@ import torch
 from torch import Tensor, nn
 
 from corun.errors import CheckpointError
-from trainers.common import rebuild, warm_start
 from trainers.diffusion.model import FlowDiT, FlowModelConfig, Size
 from trainers.lm.model import ModelConfig, TinyLM
 from trainers.lm.tasks import MAX_LEN, VOCAB_SIZE
+from trainers.weights import rebuild, warm_start
 
 MODEL_KIND = "unified"  # tagged in checkpoints: a TinyLM or FlowDiT one is refused by name
 

@@ -5,10 +5,10 @@ Rollout samples, from the rollout copy of the model (a :class:`LocalEngine`, who
 ``model.flow`` is the image sampler), ``samples_per_prompt`` answers per text prompt
 scored by the task's reward, and ``samples_per_prompt`` SDE images per image prompt
 scored by the pixel rewards (:func:`trainers.diffusion.flow_rl.sample_groups`); both
-get group advantages. The train step backpropagates the text track's clipped loss and
-then the image track's (:func:`trainers.diffusion.flow_rl.flow_grpo_backward`), each
-times its track weight, and applies the update at the end of a ``loop.accumulate``
-window (every batch without it).
+get group advantages. The loss is the text track's clipped loss (with the first
+micro-batch) plus the image track's, one trained denoising step per micro-batch
+(:func:`trainers.diffusion.flow_rl.flow_grpo_step_loss`), each times its track weight;
+the runtime applies one update per window.
 """
 
 from __future__ import annotations
@@ -20,12 +20,16 @@ import msgspec
 import torch
 from torch import Tensor
 
-from corun.pipeline import is_config
-from corun.trainer import Batch, SetupContext
-from trainers.common import apply_update, frozen_copy
-from trainers.diffusion.flow_rl import FlowGRPOSettings, ImageGroups, Sampling, sample_groups
-from trainers.diffusion.flow_rl import flow_grpo_backward as image_backward
-from trainers.diffusion.shapes import ShapeBatch, stable_seed
+from corun import Batch, Part, RolloutContext, SetupContext
+from corun.prerequisites import is_config
+from trainers.diffusion.flow_rl import (
+    FlowGRPOSettings,
+    ImageGroups,
+    Sampling,
+    flow_grpo_step_loss,
+    sample_groups,
+)
+from trainers.diffusion.shapes import ShapeBatch
 from trainers.lm.engine import LocalEngine, Rollouts
 from trainers.lm.rl import clipped_policy_loss, task_rewards
 from trainers.lm.tasks import Task, encode_prompts
@@ -35,9 +39,15 @@ from trainers.pg import (
     group_advantages,
     zero_std_groups,
 )
-from trainers.replicas import Replicas
 from trainers.unified.base import Tracks, UnifiedBase, UnifiedSettings, tagged
-from trainers.unified.model import MODEL_KIND, build_unified, load_unified, unified_from
+from trainers.unified.model import (
+    MODEL_KIND,
+    UnifiedModel,
+    build_unified,
+    load_unified,
+    unified_from,
+)
+from trainers.weights import Replicas, frozen_copy
 
 NonNegativeFloat = Annotated[float, msgspec.Meta(ge=0)]
 
@@ -69,6 +79,9 @@ class TextGroups:
     rollouts: Rollouts
     advantages: Tensor  # (N,) one per response
 
+    def __len__(self) -> int:
+        return len(self.advantages)
+
 
 def score_text(
     task: Task, examples: list[tuple[str, str]], rollouts: Rollouts, settings: TextGRPOSettings
@@ -82,10 +95,9 @@ def score_text(
 
 
 class UnifiedTrainer(UnifiedBase[UnifiedConfig]):
-    """Registered as ``unified``; honours ``loop.accumulate`` (one update per window)."""
+    """Registered as ``unified``."""
 
     Config = UnifiedConfig
-    accumulates = True
 
     def setup(self, ctx: SetupContext) -> None:
         cfg = self.config
@@ -100,7 +112,7 @@ class UnifiedTrainer(UnifiedBase[UnifiedConfig]):
         # rollout workers on other threads (concurrency > 1) keep replicas of it.
         self.replicas: Replicas[LocalEngine] = Replicas(
             LocalEngine(model), self._replica, LocalEngine.update_weights,
-            shared=self.run_config.loop.concurrency > 1, initial=model.state_dict(),
+            initial=model.state_dict(), ctx=ctx,
         )  # fmt: skip
         self.engine = self.replicas.home
         self.max_new_tokens = self.task.max_answer_len + 1
@@ -109,13 +121,12 @@ class UnifiedTrainer(UnifiedBase[UnifiedConfig]):
         return [self.config.init_from] if is_config(self.config.init_from) else []
 
     # ---- rollout
-    def rollout(self, inputs: Tracks[list[tuple[str, str]], ShapeBatch], step: int) -> Batch:
-        """Both tracks' groups from one generator of (seed, step): the same batch on any
-        thread, in any order, and after a resume."""
-        cfg = self.config
-        seed = stable_seed("unified-rl", self.run_config.run.seed, step)
-        generator = torch.Generator().manual_seed(seed)
-        engine = self.replicas.local()[0]
+    def rollout(
+        self, inputs: Tracks[list[tuple[str, str]], ShapeBatch], ctx: RolloutContext
+    ) -> Batch:
+        """Both tracks' groups, every draw from the rollout's generator."""
+        cfg, generator = self.config, ctx.generator
+        engine = self.replicas.local(ctx.version)[0]
         rollouts = engine.generate(
             encode_prompts([prompt for prompt, _ in inputs.text]), cfg.text.samples_per_prompt,
             self.max_new_tokens, cfg.text.temperature, cfg.text.top_p, generator,
@@ -123,6 +134,7 @@ class UnifiedTrainer(UnifiedBase[UnifiedConfig]):
         text, text_metrics = score_text(self.task, inputs.text, rollouts, cfg.text)
         sampling = Sampling(cfg.sample_steps, cfg.shift, cfg.cfg_scale)
         tokens = inputs.image.tokens
+        assert isinstance(engine.model, UnifiedModel)  # the engine's copy of the model
         image, image_metrics = sample_groups(
             engine.model.flow, tokens, tokens, cfg.image, sampling, generator
         )
@@ -137,32 +149,33 @@ class UnifiedTrainer(UnifiedBase[UnifiedConfig]):
         engine.version = version
         return engine
 
-    # ---- train
-    def train_step(self, batch: Batch) -> dict[str, float]:
-        """Both tracks' losses backpropagated into the same gradients; one update at
-        the end of the window."""
+    # ---- train: the text loss with the first micro-batch; one image step per micro-batch
+    def micro_batches(self, batch: Batch) -> int:
+        return len(batch.data.image.steps)
+
+    def loss(self, batch: Batch, part: Part) -> tuple[Tensor, dict[str, float]]:
         cfg = self.config
         text: TextGroups = batch.data.text
         image: ImageGroups = batch.data.image
+        image = image.rows(part.mini_rows(len(image)))
         self.model.train()
-        if batch.window_pos == 0:
-            self.optimizer.zero_grad(set_to_none=True)
-        text_loss, text_metrics, _ = clipped_policy_loss(
-            self.model, text.rollouts, text.advantages[:, None], cfg.text
+        metrics: dict[str, float] = {}
+        loss = torch.zeros(())
+        if part.micro == 0:
+            rows = part.mini_rows(len(text))
+            text_loss, text_metrics, _ = clipped_policy_loss(
+                self.model, text.rollouts.select(rows), text.advantages[rows, None], cfg.text
+            )
+            loss = loss + cfg.text_weight * text_loss
+            text_metrics["loss"] = float(text_loss.detach())
+            metrics |= {f"text/{key}": value for key, value in text_metrics.items()}
+        step_loss, image_metrics = flow_grpo_step_loss(
+            self.model.flow, self.reference, image, image.steps[part.micro], cfg.image
         )
-        (text_loss * cfg.text_weight / batch.window_size).backward()
-        text_metrics["loss"] = float(text_loss.detach())
-        image_metrics = image_backward(
-            self.model.flow, self.reference, image, cfg.image, cfg.image_weight / batch.window_size
-        )
-        metrics = tagged("train", "text", text_metrics) | tagged("train", "image", image_metrics)
-        metrics["train/loss"] = (
-            cfg.text_weight * text_metrics["loss"] + cfg.image_weight * image_metrics["loss"]
-        )
-        if batch.ends_window:
-            params = self.model.parameters()
-            metrics["train/grad_norm"] = apply_update(params, self.optimizer, cfg.grad_clip)
-        return metrics
+        loss = loss + cfg.image_weight * step_loss / part.micros
+        image_metrics["loss"] = float(step_loss.detach())
+        metrics |= {f"image/{key}": value for key, value in image_metrics.items()}
+        return loss, metrics
 
     # ---- sync
     def sync_weights(self, version: int) -> None:

@@ -1,12 +1,13 @@
-"""Pipeline throughput: sync vs async, with latency-only fakes against the ideal bound,
-and on the real small model (configs/grpo.toml vs configs/grpo_async.toml).
+"""Async throughput: sync vs async, with latency-only fakes against the ideal bound,
+free-running vs fixed version schedule, and on the real small model
+(configs/grpo.toml vs configs/grpo_async.toml).
 
 Run from the repository root::
 
-    python -m benchmarks.pipeline            # the fake grid, a few minutes
-    python -m benchmarks.pipeline --quick    # a smoke run of the grid
-    python -m benchmarks.pipeline --real     # + the real GRPO comparison (~2 min)
-    python -m benchmarks.pipeline --real-only
+    python -m benchmarks.async_throughput            # the fake grids, a few minutes
+    python -m benchmarks.async_throughput --quick    # a smoke run of the grids
+    python -m benchmarks.async_throughput --real     # + the real GRPO comparison
+    python -m benchmarks.async_throughput --real-only
 
 A fake trainer whose ``rollout`` and ``train_step`` only sleep (``async def``, so no
 compute and no threads) runs through the real template. With generation taking
@@ -17,8 +18,10 @@ batch every ``g / w``; the trainer needs ``t`` per batch; so no schedule beats
 and of the bound computed from the latencies the sleeps really took (a sleep
 overshoots by up to ~1 ms on a busy VM; that part is not the template's).
 The second table draws each generation time from ±50 % of ``g`` and compares
-start-order with completion-order consumption. Nothing is asserted: timings
-belong in benchmarks.
+start-order with completion-order consumption. The third compares the version
+schedules under that jitter: free-running (completion order, the throughput
+default) against fixed (start order, which it needs), with the mean staleness each
+trains at. Nothing is asserted: timings belong in benchmarks.
 """
 
 from __future__ import annotations
@@ -39,7 +42,7 @@ import anyio
 
 import corun
 from benchmarks import real_grpo
-from corun.events import EVENTS_FILE, read_jsonl
+from corun.events import EVENTS_FILE, read_records
 
 
 class SleepConfig(corun.TrainerConfig, frozen=True, forbid_unknown_fields=True, kw_only=True):
@@ -53,8 +56,8 @@ class SleepTrainer(corun.Trainer[SleepConfig]):
 
     Config = SleepConfig
 
-    async def rollout(self, inputs: Any, step: int) -> corun.Batch:
-        spread = (zlib.crc32(str(step).encode()) % 1000) / 500 - 1.0  # in [-1, 1)
+    async def rollout(self, inputs: Any, ctx: corun.RolloutContext) -> corun.Batch:
+        spread = (zlib.crc32(str(ctx.index).encode()) % 1000) / 500 - 1.0  # in [-1, 1)
         await anyio.sleep(self.config.generate_s * (1 + self.config.jitter * spread))
         return corun.Batch(inputs)
 
@@ -72,41 +75,49 @@ KIND = f"{SleepTrainer.__module__}:{SleepTrainer.__qualname__}"
 def measure(
     generate_s: float, train_s: float, workers: int, order: str, steps: int, backend: str,
     jitter: float = 0.0,
-) -> tuple[float, float]:  # fmt: skip
-    """Steady-state steps/s, and the bound from the latencies the sleeps really took."""
+) -> tuple[float, float, float]:  # fmt: skip
+    """Steady-state steps/s, the bound from the latencies the sleeps really took, and
+    the mean staleness. ``order`` is "sync", "start", "completion" or "fixed" (start
+    order under the fixed version schedule)."""
     concurrency = 1 if order == "sync" else max(2, workers + 1)
+    schedule = "fixed" if order == "fixed" else "free"
     with tempfile.TemporaryDirectory() as run_dir:
         config = corun.config_from_dict({
             "run": {"dir": run_dir, "steps": steps},
             "loop": {"concurrency": concurrency, "workers": workers, "baseline_eval": False,
                      "compute": "inline", "max_staleness": concurrency + 1,
-                     "order": "start" if order == "sync" else order},
+                     "order": "completion" if order == "completion" else "start",
+                     "version_schedule": schedule},
             "log": {"progress": "off"},
             "trainer": {"kind": KIND, "generate_s": generate_s, "train_s": train_s,
                         "jitter": jitter},
         })  # fmt: skip
         anyio.run(corun.run, SleepTrainer(config), config, backend=backend)
-        times = [r["t"] for r in read_jsonl(Path(run_dir) / EVENTS_FILE) if r["event"] == "step"]
-        records = [r for r in read_jsonl(Path(run_dir) / "metrics.jsonl") if "step" in r]
+        times = [r["t"] for r in read_records(Path(run_dir) / EVENTS_FILE) if r["event"] == "step"]
+        records = [r for r in read_records(Path(run_dir) / "metrics.jsonl") if "step" in r]
     # Steady state: skip the pipeline's fill (the first few steps).
     rate = 1.0 / statistics.fmean(b - a for a, b in pairwise(times[concurrency:]))
     g = statistics.fmean(r["perf/rollout_time_s"] for r in records if "perf/rollout_time_s" in r)
     t = statistics.fmean(r["perf/train_time_s"] for r in records if "perf/train_time_s" in r)
-    return rate, 1.0 / (g + t if order == "sync" else max(g / workers, t))
+    staleness = [r.get("async/staleness_mean", 0.0) for r in records if "perf/train_time_s" in r]
+    bound = 1.0 / (g + t if order == "sync" else max(g / workers, t))
+    return rate, bound, statistics.fmean(staleness)
 
 
 def print_grid(rows: list[tuple[float, str, int]], train_s: float, steps: int, backend: str,
                jitter: float = 0.0) -> None:  # fmt: skip
     print(f"{'gen/train':>9} {'mode':>10} {'workers':>7} {'steps/s':>8} {'bound':>8} "
-          f"{'of bound':>8} {'of measured':>11}")  # fmt: skip
+          f"{'staleness':>9} {'of bound':>8} {'of measured':>11}")  # fmt: skip
     for ratio, order, workers in rows:
         generate_s = ratio * train_s
-        rate, measured_bound = measure(generate_s, train_s, workers, order, steps, backend, jitter)
+        rate, measured_bound, staleness = measure(
+            generate_s, train_s, workers, order, steps, backend, jitter
+        )
         if order == "sync":
             bound = 1.0 / (generate_s + train_s)
         else:
             bound = 1.0 / max(generate_s / workers, train_s)
-        print(f"{ratio:9g} {order:>10} {workers:7d} {rate:8.1f} {bound:8.1f} "
+        print(f"{ratio:9g} {order:>10} {workers:7d} {rate:8.1f} {bound:8.1f} {staleness:9.2f} "
               f"{rate / bound:8.1%} {rate / measured_bound:11.1%}")  # fmt: skip
 
 
@@ -126,8 +137,8 @@ def main() -> int:
     ratios = (1.0, 2.0) if args.quick else (0.5, 1.0, 2.0, 4.0)
     worker_counts = (1, 2) if args.quick else (1, 2, 4)
     started = time.monotonic()
-    print(f"corun pipeline ({args.backend}): latency-only fakes, train step {args.train_ms:g} ms,"
-          f" {steps} steps, steady state")  # fmt: skip
+    print(f"corun async throughput ({args.backend}): latency-only fakes, train step "
+          f"{args.train_ms:g} ms, {steps} steps, steady state")  # fmt: skip
     grid = [(r, "sync", 1) for r in ratios[:1]]
     for ratio in ratios:
         grid += [(ratio, "sync", 1)] * (ratio != ratios[0])
@@ -137,6 +148,10 @@ def main() -> int:
     jittered = [(r, order, w) for r in ratios[1:] for w in worker_counts[1:]
                 for order in ("start", "completion")]  # fmt: skip
     print_grid(jittered, train_s, steps, args.backend, jitter=0.5)
+    print("\ngeneration time ±50 % per batch: free-running (completion) vs fixed schedule")
+    schedules = [(r, order, w) for r in ratios[1:] for w in worker_counts[1:]
+                 for order in ("completion", "fixed")]  # fmt: skip
+    print_grid(schedules, train_s, steps, args.backend, jitter=0.5)
     print(f"({time.monotonic() - started:.0f} s)")
     if args.real:
         real_grpo.main(quick=args.quick)

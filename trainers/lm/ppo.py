@@ -16,6 +16,7 @@ import msgspec
 import torch
 from torch import Tensor, nn
 
+from corun import RolloutContext
 from trainers.lm.engine import Rollouts
 from trainers.lm.policy import response_logprobs
 from trainers.lm.rl import LMPolicyTrainer, RLConfig, Scored
@@ -50,11 +51,13 @@ class PPOTrainer(LMPolicyTrainer[PPOConfig]):
         self.value_head = nn.Linear(self.policy.config.d_model, 1)
         return {"value_head": self.value_head}
 
-    def make_batch(self, examples: list[tuple[str, str]]) -> tuple[Scored, dict[str, float]]:
-        return self.sample_and_score(examples)
+    def make_batch(
+        self, examples: list[tuple[str, str]], ctx: RolloutContext
+    ) -> tuple[Scored, dict[str, float]]:
+        return self.sample_and_score(examples, ctx)
 
     @torch.no_grad()
-    def prepare(self, scored: Scored) -> PPOBatch:
+    def prepare_data(self, scored: Scored) -> PPOBatch:
         rollouts, cfg = scored.rollouts, self.config
         _, _, hidden = response_logprobs(
             self.policy, rollouts.sequences, rollouts.prompt_ids.shape[1], cfg.temperature
@@ -70,8 +73,12 @@ class PPOTrainer(LMPolicyTrainer[PPOConfig]):
             advantages = ((advantages - real.mean()) / (real.std() + 1e-6)) * mask
         return PPOBatch(rollouts, old_values, advantages, returns)
 
-    def loss(self, data: PPOBatch, rows: Tensor) -> tuple[Tensor, dict[str, float]]:
-        policy_loss, metrics, hidden = self.policy_loss(data.rollouts, rows, data.advantages[rows])
+    def rows_loss(
+        self, data: PPOBatch, rows: slice, proximal: Tensor | None
+    ) -> tuple[Tensor, dict[str, float]]:
+        policy_loss, metrics, hidden = self.policy_loss(
+            data.rollouts, rows, data.advantages[rows], proximal
+        )
         values = self.value_head(hidden).squeeze(-1)
         value_loss = aggregate(
             clipped_value_loss(
@@ -80,6 +87,6 @@ class PPOTrainer(LMPolicyTrainer[PPOConfig]):
             data.rollouts.response_mask[rows],
             "token-mean",
         )
-        metrics["train/value_loss"] = float(value_loss.detach())
-        metrics["train/policy_loss"] = float(policy_loss.detach())
+        metrics["value_loss"] = float(value_loss.detach())
+        metrics["policy_loss"] = float(policy_loss.detach())
         return policy_loss + self.config.vf_coef * value_loss, metrics

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from corun import RolloutContext
 from trainers.lm.engine import Rollouts
 from trainers.lm.rl import LMPolicyTrainer, RLConfig, Scored
 from trainers.lm.settings import PositiveInt
@@ -49,7 +50,9 @@ class GRPOTrainer(LMPolicyTrainer[GRPOConfig]):
     def prompt_rounds(self) -> int:
         return self.config.max_sampling_rounds if self.config.dynamic_sampling else 1
 
-    def make_batch(self, examples: list[tuple[str, str]]) -> tuple[GRPOBatch, dict[str, float]]:
+    def make_batch(
+        self, examples: list[tuple[str, str]], ctx: RolloutContext
+    ) -> tuple[GRPOBatch, dict[str, float]]:
         cfg, n = self.config, self.config.samples_per_prompt
         wanted = self.run_config.data.batch_size
         kept: list[Scored] = []
@@ -57,7 +60,7 @@ class GRPOTrainer(LMPolicyTrainer[GRPOConfig]):
         metrics: dict[str, float] = {}
         for round_index in range(self.prompt_rounds()):
             chunk = examples[round_index * wanted : (round_index + 1) * wanted]
-            scored, round_metrics = self.sample_and_score(chunk)
+            scored, round_metrics = self.sample_and_score(chunk, ctx)
             no_signal = zero_std_groups(scored.rewards, n)
             if round_index == 0:  # what sampling gives, before any filtering
                 metrics = round_metrics | {
@@ -84,8 +87,12 @@ class GRPOTrainer(LMPolicyTrainer[GRPOConfig]):
         advantages = group_advantages(rewards, n, cfg.adv_scope, cfg.adv_std_norm)
         return GRPOBatch(rollouts, advantages), metrics
 
-    def loss(self, data: GRPOBatch, rows: Tensor) -> tuple[Tensor, dict[str, float]]:
-        loss, metrics, _ = self.policy_loss(data.rollouts, rows, data.advantages[rows, None])
+    def rows_loss(
+        self, data: GRPOBatch, rows: slice, proximal: Tensor | None
+    ) -> tuple[Tensor, dict[str, float]]:
+        loss, metrics, _ = self.policy_loss(
+            data.rollouts, rows, data.advantages[rows, None], proximal
+        )
         return loss, metrics
 
 

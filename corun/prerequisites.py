@@ -12,7 +12,8 @@ from __future__ import annotations
 from pathlib import Path
 
 from corun import checkpoint
-from corun.config import Config, load_config
+from corun.config import Config
+from corun.config_file import load_config
 from corun.errors import CheckpointError
 
 

@@ -1,8 +1,9 @@
 """Supervised fine-tuning of TinyLM on a synthetic task or a JSONL file of (prompt, answer).
 
-The simplest trainer on the loop template: "rollout" only tokenises the batch and
-``train_step`` is teacher-forced cross-entropy on the answer tokens. Its checkpoints
-warm-start the RL trainers through :func:`load_policy`.
+The simplest trainer on the loop template: "rollout" only tokenises the batch and the
+loss is teacher-forced cross-entropy on the answer tokens (a token mean over the
+whole batch, in ``micro_batches`` pieces). Its checkpoints warm-start the RL trainers
+through :func:`load_policy`.
 """
 
 from __future__ import annotations
@@ -13,10 +14,16 @@ import msgspec
 import torch
 import torch.nn.functional as F
 
-from corun.compute import cancel_point
-from corun.data import Dataset, ShuffledBatches, read_jsonl
-from corun.trainer import Batch, SetupContext, Trainer
-from trainers.common import apply_update
+from corun import (
+    Batch,
+    Dataset,
+    Part,
+    RolloutContext,
+    SetupContext,
+    ShuffledBatches,
+    Trainer,
+    read_jsonl,
+)
 from trainers.lm.policy import (
     HeldOutEval,
     build_policy,
@@ -45,7 +52,7 @@ class SFTConfig(LMTrainerConfig, frozen=True, forbid_unknown_fields=True, kw_onl
     weight_decay: NonNegativeFloat = 0.0
     # Max global gradient norm; 0 turns clipping off (the norm is still reported).
     grad_clip: NonNegativeFloat = 1.0
-    # Gradient accumulation: the batch is split into this many chunks, one backward each.
+    # Memory: each update's batch is backpropagated in this many row chunks.
     micro_batches: PositiveInt = 1
     # Held-out prompts scored by every evaluation.
     eval_size: PositiveInt = 512
@@ -76,6 +83,7 @@ class SFTTrainer(Trainer[SFTConfig]):
         self.optimizer = torch.optim.AdamW(
             self.model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay
         )
+        ctx.add_optimizer(self.optimizer, grad_clip=cfg.grad_clip)
         # Built once: the held-out set is fixed, and building it draws no global randomness.
         self.held_out = HeldOutEval(self.task, cfg.eval_size)
         self.eval_tokens = encode_examples(self.held_out.examples)
@@ -88,26 +96,21 @@ class SFTTrainer(Trainer[SFTConfig]):
             return ShuffledBatches(examples, data.batch_size, seed, data.shuffle)
         return TaskData(TASKS[self.config.task], data.batch_size, seed)
 
-    def rollout(self, inputs: list[tuple[str, str]], step: int) -> Batch:
+    def rollout(self, inputs: list[tuple[str, str]], ctx: RolloutContext) -> Batch:
         """SFT's build phase: tokenise the examples; nothing is generated."""
         return Batch(data=encode_examples(inputs))
 
-    def train_step(self, batch: Batch) -> dict[str, float]:
+    def micro_batches(self, batch: Batch) -> int:
+        return self.config.micro_batches
+
+    def loss(self, batch: Batch, part: Part) -> tuple[torch.Tensor, dict[str, float]]:
+        # Token mean over the whole mini-batch, not per chunk: the update is the same
+        # for any micro_batches (up to float rounding).
         tokens: TokenBatch = batch.data
-        # Token mean over the whole batch, not per chunk: the update is the same for
-        # any micro_batches (up to float rounding).
-        num_tokens = int(tokens.loss_mask.sum())
+        num_tokens = int(tokens.loss_mask[part.mini_rows(len(tokens))].sum())
+        chunk = tokens.rows(part.rows(len(tokens)))
         self.model.train()
-        self.optimizer.zero_grad(set_to_none=True)
-        loss_sum = 0.0
-        for i, chunk in enumerate(tokens.chunks(self.config.micro_batches)):
-            if i:
-                cancel_point()
-            chunk_loss = masked_loss_sum(self.model(chunk.inputs), chunk) / num_tokens
-            chunk_loss.backward()
-            loss_sum += chunk_loss.item()
-        grad_norm = apply_update(self.model.parameters(), self.optimizer, self.config.grad_clip)
-        return {"train/loss": loss_sum, "train/grad_norm": grad_norm}
+        return masked_loss_sum(self.model(chunk.inputs), chunk) / num_tokens, {}
 
     @torch.no_grad()
     def evaluate(self) -> dict[str, float]:

@@ -1,7 +1,7 @@
-"""What the flow-model trainers (pretraining, Flow-GRPO, and the tracks built on
-them) share: the model with its optimizer, the shapes data, the held-out evaluation
-with its sample grids, and state. A subclass builds the model in ``setup`` and then
-calls :meth:`FlowTrainer.finish_setup`; it adds its own rollout and train step."""
+"""What the flow-model trainers (pretraining, Flow-GRPO, the prompt enhancer) share:
+the model with its optimizer, the shapes data, the held-out evaluation with its sample
+grids, and state. A subclass builds the model in ``setup`` and then calls
+:meth:`FlowTrainer.finish_setup`; it adds its own rollout and loss."""
 
 from __future__ import annotations
 
@@ -9,9 +9,7 @@ from typing import Any, TypeVar
 
 import torch
 
-from corun.data import Dataset
-from corun.errors import ConfigError
-from corun.trainer import Image, SetupContext, Trainer
+from corun import ConfigError, Dataset, Image, SetupContext, Trainer
 from trainers.diffusion.evaluation import HeldOutEval
 from trainers.diffusion.model import FlowDiT, load_model_state, model_state
 from trainers.diffusion.settings import FlowTrainerConfig
@@ -25,11 +23,12 @@ class FlowTrainer(Trainer[C]):
     # Scale of the data's random offsets (shapes.render); pretraining sets its own.
     jitter: float = 1.0
 
-    def finish_setup(self, ctx: SetupContext, lr: float, weight_decay: float) -> None:
-        """The optimizer over ``self.model`` and the held-out evaluation."""
+    def finish_setup(self, ctx: SetupContext, lr: float) -> None:
+        """The optimizer over ``self.model`` (the subclass registers it, if it trains the
+        model) and the held-out evaluation."""
         cfg = self.config
         self.optimizer = torch.optim.AdamW(
-            self.model.parameters(), lr=lr, weight_decay=weight_decay
+            self.model.parameters(), lr=lr, weight_decay=cfg.weight_decay
         )
         samples = ctx.config.run_dir / "samples"
         self.held_out = HeldOutEval(cfg.eval_size, self.jitter, samples, cfg.grid_size)

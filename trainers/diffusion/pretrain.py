@@ -2,8 +2,8 @@
 
 The diffusion counterpart of SFT, and the warm start of Flow-GRPO: "rollout" builds
 the batch (rendered images, prompt tokens, and the flow-matching noise, times and
-condition dropout, all drawn from a generator seeded by (seed, step)), and
-``train_step`` is the rectified-flow MSE. Evaluation ODE-samples a fixed set of
+condition dropout, drawn from the rollout's generator), and the loss is the
+rectified-flow MSE. Evaluation ODE-samples a fixed set of
 held-out prompts from fixed noise, scores the images with the colour and position
 rewards, and writes a PNG grid to ``<run dir>/samples/step-<N>.png``.
 """
@@ -17,17 +17,12 @@ import msgspec
 import torch
 from torch import Tensor
 
-from corun.trainer import Batch, SetupContext
-from trainers.common import apply_update
-from trainers.diffusion.model import (
-    build_model,
-    load_model,
-    model_from,
-)
+from corun import Batch, Part, RolloutContext, SetupContext
+from trainers.diffusion.base import FlowTrainer
+from trainers.diffusion.model import build_model, load_model, model_from
 from trainers.diffusion.sampling import flow_matching_loss
 from trainers.diffusion.settings import FlowTrainerConfig, NonNegativeFloat
-from trainers.diffusion.shapes import NULL, ShapeBatch, stable_seed
-from trainers.diffusion.trainer import FlowTrainer
+from trainers.diffusion.shapes import NULL, ShapeBatch
 
 __all__ = ["FlowPretrainConfig", "FlowPretrainTrainer", "load_model", "model_from"]
 
@@ -36,9 +31,6 @@ class FlowPretrainConfig(FlowTrainerConfig, frozen=True, forbid_unknown_fields=T
     """``[trainer]`` of a flow pretraining run: model shape, optimizer, guidance dropout."""
 
     lr: Annotated[float, msgspec.Meta(gt=0)] = 1e-3
-    weight_decay: NonNegativeFloat = 0.0
-    # Max global gradient norm; 0 turns clipping off (the norm is still reported).
-    grad_clip: NonNegativeFloat = 1.0
     # Share of training prompts replaced by the empty (NULL) prompt, which trains the
     # unconditional model that classifier-free guidance needs.
     cond_dropout: Annotated[float, msgspec.Meta(ge=0, lt=1)] = 0.1
@@ -55,6 +47,12 @@ class FlowBatch:
     tokens: Tensor  # (N, 3), rows dropped to NULL for guidance
     t: Tensor  # (N,) times in [0, 1]
     noise: Tensor  # (N, 3, 16, 16) ε
+
+    def __len__(self) -> int:
+        return self.t.shape[0]
+
+    def rows(self, rows: slice) -> FlowBatch:
+        return FlowBatch(self.images[rows], self.tokens[rows], self.t[rows], self.noise[rows])
 
 
 def flow_batch(data: ShapeBatch, generator: torch.Generator, cond_dropout: float) -> FlowBatch:
@@ -74,19 +72,15 @@ class FlowPretrainTrainer(FlowTrainer[FlowPretrainConfig]):
         # The runtime has seeded the global RNGs with run.seed: the model init draws from them.
         self.jitter = self.config.jitter
         self.model = build_model(self.config.model_config())
-        self.finish_setup(ctx, self.config.lr, self.config.weight_decay)
+        self.finish_setup(ctx, self.config.lr)
+        ctx.add_optimizer(self.optimizer, grad_clip=self.config.grad_clip)
 
-    def rollout(self, inputs: ShapeBatch, step: int) -> Batch:
+    def rollout(self, inputs: ShapeBatch, ctx: RolloutContext) -> Batch:
         """The build phase: draw the flow-matching randomness; nothing is generated."""
-        seed = stable_seed("flow-noise", self.run_config.run.seed, step)
-        generator = torch.Generator().manual_seed(seed)
-        return Batch(data=flow_batch(inputs, generator, self.config.cond_dropout))
+        return Batch(data=flow_batch(inputs, ctx.generator, self.config.cond_dropout))
 
-    def train_step(self, batch: Batch) -> dict[str, float]:
+    def loss(self, batch: Batch, part: Part) -> tuple[Tensor, dict[str, float]]:
         data: FlowBatch = batch.data
+        data = data.rows(part.mini_rows(len(data)))
         self.model.train()
-        self.optimizer.zero_grad(set_to_none=True)
-        loss = flow_matching_loss(self.model, data.images, data.tokens, data.t, data.noise)
-        loss.backward()
-        grad_norm = apply_update(self.model.parameters(), self.optimizer, self.config.grad_clip)
-        return {"train/loss": loss.item(), "train/grad_norm": grad_norm}
+        return flow_matching_loss(self.model, data.images, data.tokens, data.t, data.noise), {}

@@ -1,0 +1,144 @@
+"""Where a model's weights come from and go: rebuilt from a checkpoint, warm-started
+from another run, frozen copies (KL anchors, samplers), and the rollout side's copies
+(:class:`Replicas`)."""
+
+from __future__ import annotations
+
+import copy
+import threading
+from collections.abc import Callable
+from typing import Any, Generic, TypeVar
+
+import msgspec
+import torch
+from torch import Tensor, nn
+
+from corun import CheckpointError, SetupContext
+from corun.checkpoint import read
+from corun.prerequisites import checkpoint_for
+
+M = TypeVar("M", bound=nn.Module)
+R = TypeVar("R")
+State = dict[str, Tensor]
+
+
+def rebuild(model_cls: Callable[[Any], M], config_cls: type[Any], state: dict[str, Any]) -> M:
+    """The model of a trainer ``state_dict()`` (``model_config`` + ``model``).
+
+    Built on the meta device: no init work, and no draws from the global RNG.
+    """
+    with torch.device("meta"):
+        model = model_cls(msgspec.convert(state["model_config"], config_cls))
+    model.to_empty(device="cpu")
+    model.load_state_dict(state["model"])
+    return model
+
+
+def warm_start(init_from: str, load: Callable[[dict[str, Any]], M], what: str) -> M:
+    """The model in a checkpoint, given its directory or its run's config; a checkpoint
+    of something else is a usage error naming the path."""
+    path = checkpoint_for(init_from)
+    _, tensors = read(path)
+    try:
+        return load(tensors["trainer"])
+    except (KeyError, TypeError, ValueError, RuntimeError, msgspec.ValidationError) as exc:
+        raise CheckpointError(f"{path}: not a {what} checkpoint ({exc})") from None
+
+
+def frozen_copy(model: M) -> M:
+    """A copy in eval mode without gradients."""
+    frozen = copy.deepcopy(model).eval()
+    for p in frozen.parameters():
+        p.requires_grad_(False)
+    return frozen
+
+
+class Replicas(Generic[R]):
+    """The rollout side's weight copies: ``home`` for the train thread, one per rollout
+    worker thread (``loop.concurrency > 1``).
+
+    At concurrency 1 rollouts and training alternate on the train thread, so a sync
+    updates ``home`` in place and nothing reads it mid-update. Rollout workers keep
+    copies of their own and catch up with a published snapshot before a generation
+    (or, for a partial rollout, between decode steps); a snapshot is replaced, never
+    modified, so a worker never reads weights half-way through an update. Under the
+    fixed version schedule a rollout asks for a given version, so the snapshots the
+    schedule may still ask for are kept, and saved with checkpoints.
+
+    ``build`` makes a copy from (weights, version); ``load`` puts other weights in one.
+    """
+
+    def __init__(
+        self, home: R, build: Callable[[State, int], R], load: Callable[[R, State, int], None],
+        *, initial: State, ctx: SetupContext,
+    ) -> None:  # fmt: skip
+        loop = ctx.config.loop
+        self.home = home
+        self.version = 0  # of the weights in ``home``
+        self._home_thread = threading.get_ident()
+        self._build = build
+        self._load = load
+        self._shared = loop.concurrency > 1
+        fixed = loop.version_schedule == "fixed"
+        # Versions a scheduled rollout may still ask for: at most the staleness bound
+        # behind the newest (published versions are at least one apart).
+        self._keep = loop.staleness_bound + 1 if fixed else 1
+        self._lock = threading.Lock()
+        self._history: dict[int, State] = {}
+        self._copies: dict[int, tuple[R, int]] = {}
+        if self._shared and fixed:
+            ctx.keep_state("rollout_weights", self)
+        self.publish(initial, 0)
+
+    def sync(self, state: State, version: int) -> None:
+        """New trained weights: into ``home`` now, and published for the workers."""
+        self._load(self.home, state, version)
+        self.version = version
+        self.publish(state, version)
+
+    def publish(self, state: State, version: int) -> None:
+        if not self._shared:
+            return
+        snapshot = {key: value.detach().clone() for key, value in state.items()}
+        with self._lock:
+            self._history[version] = snapshot
+            for old in sorted(self._history)[: -self._keep]:
+                del self._history[old]
+
+    @property
+    def latest(self) -> tuple[int, State]:
+        """The newest published (version, weights)."""
+        with self._lock:
+            version = max(self._history)
+            return version, self._history[version]
+
+    def local(self, version: int | None = None) -> tuple[R, int]:
+        """The calling thread's copy holding ``version`` (None: the newest), and its version."""
+        thread = threading.get_ident()
+        if thread == self._home_thread:
+            return self.home, self.version
+        if version is None:
+            version, state = self.latest
+        else:
+            with self._lock:
+                state = self._history[version]
+        copy_ = self._copies.get(thread)
+        if copy_ is None:
+            copy_ = (self._build(state, version), version)
+        elif copy_[1] != version:
+            self._load(copy_[0], state, version)
+            copy_ = (copy_[0], version)
+        self._copies[thread] = copy_
+        return copy_
+
+    def __len__(self) -> int:
+        """Rollout workers holding a copy (the train thread's own not counted)."""
+        return len(self._copies)
+
+    def state_dict(self) -> dict[str, Any]:
+        with self._lock:
+            return {str(version): state for version, state in self._history.items()}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        with self._lock:
+            self._history = {int(version): weights for version, weights in state.items()}
