@@ -8,10 +8,13 @@ Used in-process by the golden event-order tests and, through
 from __future__ import annotations
 
 import sys
+import threading
 import time
 from pathlib import Path
 from typing import Any, Literal
 
+import anyio
+import anyio.to_thread
 import torch
 
 import corun
@@ -47,6 +50,32 @@ class FakeError(RuntimeError):
     pass
 
 
+class CallLog(list[str]):
+    """A list of hook calls that a test can await an entry of: hooks append from lane
+    threads, so the waiting test task blocks on a ``threading.Event`` in a worker
+    thread instead of polling."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._lock = threading.Lock()
+        self._waiting: dict[str, threading.Event] = {}
+
+    def append(self, call: str) -> None:
+        with self._lock:
+            super().append(call)
+            event = self._waiting.get(call)
+        if event is not None:
+            event.set()
+
+    async def reached(self, call: str) -> None:
+        """Return once ``call`` has been appended (at once if it has been)."""
+        with self._lock:
+            if call in self:
+                return
+            event = self._waiting.setdefault(call, threading.Event())
+        await anyio.to_thread.run_sync(event.wait, abandon_on_cancel=True)
+
+
 class FakeTrainer(corun.Trainer[FakeConfig]):
     """Linear regression on random data; records hook calls in ``calls``."""
 
@@ -54,13 +83,15 @@ class FakeTrainer(corun.Trainer[FakeConfig]):
 
     def __init__(self, config: corun.Config) -> None:
         super().__init__(config)
-        self.calls: list[str] = []
+        self.calls = CallLog()
+        self.phases = CallLog()  # each phase as it is entered
         self.engine: corun.ChildProcess | None = None
 
     # -- helpers
     def _phase(self, phase: Phase, step: int = -1) -> None:
         marker = self.run_config.run_dir / f"phase-{phase}"
-        marker.touch()
+        marker.touch()  # for a subprocess's watcher
+        self.phases.append(phase)
         if self.config.slow_in == phase:
             until = time.monotonic() + self.config.slow_s
             while time.monotonic() < until:

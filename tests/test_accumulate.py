@@ -129,8 +129,7 @@ async def test_interrupt_in_mid_window_saves_the_window_start(tmp_path: Path) ->
         async with anyio.create_task_group() as tg:
 
             async def stop_in_step_5() -> None:
-                while "train:4" not in first.calls:
-                    await anyio.sleep(0.005)
+                await first.calls.reached("train:4")
                 control.stop("interrupted", signal="SIGINT")
 
             tg.start_soon(stop_in_step_5)

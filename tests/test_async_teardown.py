@@ -40,8 +40,7 @@ async def test_stop_in_each_async_phase(tmp_path: Path, phase: str) -> None:
     control = corun.RunControl()
 
     async def stop_in_phase() -> None:
-        while not (run_dir / f"phase-{phase}").exists():
-            await anyio.sleep(0.005)
+        await trainer.phases.reached(phase)
         control.stop("interrupted", signal="SIGINT")
 
     with anyio.fail_after(60):

@@ -105,8 +105,7 @@ async def test_first_error_propagates_and_teardown_continues(tmp_path: Path) -> 
 
 
 async def _stop_when(trainer: FakeTrainer, call: str, control: corun.RunControl) -> None:
-    while call not in trainer.calls:
-        await anyio.sleep(0.005)
+    await trainer.calls.reached(call)
     control.stop("interrupted", signal="SIGINT")
 
 
@@ -138,8 +137,7 @@ async def test_host_cancellation_tears_down_and_propagates(tmp_path: Path) -> No
             async with anyio.create_task_group() as tg:
 
                 async def cancel_host() -> None:
-                    while "train:1" not in trainer.calls:
-                        await anyio.sleep(0.005)
+                    await trainer.calls.reached("train:1")
                     host.cancel()
 
                 tg.start_soon(cancel_host)

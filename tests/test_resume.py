@@ -88,8 +88,7 @@ async def test_resume_after_interrupt_equals_uninterrupted(tmp_path: Path) -> No
         async with anyio.create_task_group() as tg:
 
             async def stop_in_step_6() -> None:
-                while "train:5" not in first.calls:
-                    await anyio.sleep(0.005)
+                await first.calls.reached("train:5")
                 control.stop("interrupted", signal="SIGINT")
 
             tg.start_soon(stop_in_step_6)
