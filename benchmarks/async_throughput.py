@@ -95,7 +95,7 @@ def measure(
         anyio.run(corun.run, SleepTrainer(config), config, backend=backend)
         times = [r["t"] for r in read_records(Path(run_dir) / EVENTS_FILE) if r["event"] == "step"]
         records = [r for r in read_records(Path(run_dir) / "metrics.jsonl") if "step" in r]
-    # Steady state: skip the pipeline's fill (the first few steps).
+    # Steady state: skip the first few steps, while the first rollouts queue up.
     rate = 1.0 / statistics.fmean(b - a for a, b in pairwise(times[concurrency:]))
     g = statistics.fmean(r["perf/rollout_time_s"] for r in records if "perf/rollout_time_s" in r)
     t = statistics.fmean(r["perf/train_time_s"] for r in records if "perf/train_time_s" in r)

@@ -79,11 +79,13 @@ import corun
 from benchmarks.overhead_report import (
     SFT_BATCH,
     TARGET_PCT,
+    ComparisonRow,
     NoopRow,
     Settings,
     SFTResult,
     SFTRow,
     header,
+    print_comparison,
     print_report,
 )
 from benchmarks.quiet import Guarded, Measure, OtherLoad, Request
@@ -114,6 +116,7 @@ class NoopTrainer(corun.Trainer[corun.TrainerConfig]):
 
 
 NOOP_KIND = f"{NoopTrainer.__module__}:{NoopTrainer.__qualname__}"
+ROOT = Path(__file__).resolve().parents[1]
 
 
 # ----------------------------------------------------------------------------- one measurement
@@ -181,12 +184,15 @@ def measure(request: Request) -> list[float]:
 
 
 def in_fresh_process(request: Request) -> list[float]:
-    """:func:`measure` in a new interpreter (``--measure``), whatever this process has done."""
+    """:func:`measure` in a new interpreter (``--measure``), whatever this process has done;
+    with a ``tree`` in the request, that checkout's benchmark and corun (before/after)."""
+    tree = Path(request.get("tree", ROOT))
     threads = str(torch.get_num_threads())
     command = [sys.executable, "-m", "benchmarks.overhead", "--threads", threads, "--measure"]
     result = subprocess.run(
         [*command, json.dumps(request)],
-        cwd=Path(__file__).resolve().parents[1],
+        cwd=tree,
+        env={**os.environ, "PYTHONPATH": str(tree)},
         capture_output=True,
         text=True,
         check=False,
@@ -216,6 +222,31 @@ def measure_noop(settings: Settings, scratch: Path, measure_one: Measure) -> lis
         NoopRow(b, c, settings.noop_steps, statistics.median(s), [round(x, 2) for x in s])
         for (b, c), s in samples.items()
     ]
+
+
+def compare_noop(
+    settings: Settings, scratch: Path, tree: Path, measure_one: Measure
+) -> list[ComparisonRow]:
+    """The no-op cost per step of this checkout and of ``tree`` (an older one), each
+    measurement in a fresh process of its own checkout, the two interleaved."""
+    samples: dict[tuple[Variant, Path], list[float]] = {}
+    for repeat in range(settings.noop_repeats):
+        for backend, compute in _rotated(VARIANTS, repeat):
+            pair = (ROOT, tree) if repeat % 2 == 0 else (tree, ROOT)
+            for root in pair:
+                run_dir = scratch / f"cmp-{root.name}-{backend}-{compute}-{repeat}"
+                request = {
+                    "what": "noop", "steps": settings.noop_steps, "backend": backend,
+                    "compute": compute, "run_dir": str(run_dir), "tree": str(root),
+                }  # fmt: skip
+                us = statistics.fmean(measure_one(request)) * 1e6
+                samples.setdefault(((backend, compute), root), []).append(us)
+    rows = []
+    for variant in VARIANTS:
+        now = statistics.median(samples[(variant, ROOT)])
+        before = statistics.median(samples[(variant, tree)])
+        rows.append(ComparisonRow(*variant, before_us=before, now_us=now, ratio=now / before))
+    return rows
 
 
 def measure_sft(
@@ -289,6 +320,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument(
         "--threads", type=int, default=TORCH_THREADS, help="torch intra-op threads (default 2)"
     )
+    parser.add_argument(
+        "--against",
+        metavar="TREE",
+        type=Path,
+        help="also compare the no-op cost per step with another checkout (e.g. a worktree "
+        "of an older commit), measured side by side",
+    )
     parser.add_argument("--measure", metavar="REQUEST", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
@@ -305,10 +343,15 @@ def main(argv: Sequence[str] | None = None) -> int:
         noop = measure_noop(settings, Path(scratch), in_process)
         sft_measure = in_process if args.in_process else isolated
         sft = measure_sft(settings, Path(scratch), sft_measure, noop)
+        compared = None
+        if args.against is not None:
+            compared = compare_noop(settings, Path(scratch), args.against.resolve(), isolated)
     head["other_processes_cpus"] = others.stop()
     for field in ("measured", "retried", "disturbed"):
         head[field] = getattr(in_process, field) + getattr(isolated, field)
     print_report(head, noop, sft, settings)
+    if compared is not None:
+        print_comparison(compared, args.against, settings)
 
     if args.json is not None:
         figures = {
@@ -320,6 +363,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             "sft_noise_pct": round(sft.noise_pct, 3),
             "target_pct": TARGET_PCT,
             "target_met": all(s.target_met for s in sft.rows),
+            "against": None if compared is None else [asdict(c) for c in compared],
         }
         args.json.write_bytes(msgspec.json.format(msgspec.json.encode(figures)) + b"\n")
     return 0

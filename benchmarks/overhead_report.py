@@ -59,6 +59,15 @@ class SFTRow:
 
 
 @dataclass
+class ComparisonRow:
+    backend: str
+    compute: str
+    before_us: float  # no-op µs/step of the other checkout (median over repeats)
+    now_us: float  # the same for this checkout, measured alongside
+    ratio: float  # now / before
+
+
+@dataclass
 class SFTResult:
     rows: list[SFTRow]
     noise_pct: float
@@ -137,3 +146,15 @@ def print_report(
         f"CPUs), {head['disturbed']} still were: "
         + ("quiet enough" if quiet else "figures unreliable, rerun on an idle machine")
     )
+
+
+def print_comparison(rows: list[ComparisonRow], tree: Any, settings: Settings) -> None:
+    print()
+    print(
+        f"3. runtime cost per step, no-op trainer: this checkout vs {tree} "
+        f"({settings.noop_steps} steps, median of {settings.noop_repeats}, interleaved, "
+        "each in a fresh process of its own checkout)"
+    )
+    print(f"   {'backend':8} {'compute':8} {'before µs':>10} {'now µs':>9} {'now/before':>11}")
+    for r in rows:
+        print(f"   {r.backend:8} {r.compute:8} {r.before_us:10.1f} {r.now_us:9.1f} {r.ratio:11.3f}")

@@ -67,9 +67,13 @@ def sde_sigmas(grid: Tensor, noise_level: float) -> Tensor:
 
 
 def velocity(
-    model: VelocityModel, x: Tensor, t: Tensor, tokens: Tensor, cfg_scale: float = 1.0
-) -> Tensor:
-    """The (guided) velocity at (x, t) for prompts ``tokens``; t is a scalar tensor or (N,)."""
+    model: VelocityModel, x: Tensor, t: Tensor, tokens: Tensor, cfg_scale: float = 1.0,
+    *, detach_uncond: bool = False,
+) -> Tensor:  # fmt: skip
+    """The (guided) velocity at (x, t) for prompts ``tokens``; t is a scalar tensor or (N,).
+
+    ``detach_uncond``: the unconditional branch enters as a constant (same values, no
+    gradient through it), as the reference Flow-GRPO trains with guidance."""
     if cfg_scale == 1.0:
         return model(x, t.expand(x.shape[0]), tokens)
     # One forward pass over [conditional; unconditional] rows.
@@ -79,6 +83,8 @@ def velocity(
         torch.cat([tokens, torch.full_like(tokens, NULL)]),
     )
     cond, uncond = both.chunk(2)
+    if detach_uncond:
+        uncond = uncond.detach()
     return uncond + cfg_scale * (cond - uncond)
 
 
@@ -204,10 +210,12 @@ class StepDensity(NamedTuple):
 
 
 def step_log_prob(
-    model: VelocityModel, trajectory: Trajectory, step: int, *, cfg_scale: float | None = None
-) -> StepDensity:
+    model: VelocityModel, trajectory: Trajectory, step: int, *, cfg_scale: float | None = None,
+    detach_uncond: bool = False,
+) -> StepDensity:  # fmt: skip
     """The density of the recorded transition ``step`` (latents[step] → latents[step + 1])
-    under ``model``, with gradients; ``cfg_scale`` defaults to the sampling one.
+    under ``model``, with gradients (through the conditional branch only, with
+    ``detach_uncond``); ``cfg_scale`` defaults to the sampling one.
 
     Under the sampling weights this reproduces ``trajectory.log_probs[:, step]`` (up to
     float rounding of a different batch size). Call it per step index, on
@@ -220,7 +228,7 @@ def step_log_prob(
     scale = trajectory.cfg_scale if cfg_scale is None else cfg_scale
     t, t_next = trajectory.timesteps[step], trajectory.timesteps[step + 1]
     x, x_next = trajectory.latents[:, step], trajectory.latents[:, step + 1]
-    v = velocity(model, x, t, trajectory.tokens, scale)
+    v = velocity(model, x, t, trajectory.tokens, scale, detach_uncond=detach_uncond)
     mean, std = transition(x, v, t, t_next, trajectory.sigmas[step])
     return StepDensity(gaussian_log_prob(x_next, mean, std), mean, std)
 

@@ -65,6 +65,13 @@ class RLConfig(LMTrainerConfig, frozen=True, forbid_unknown_fields=True, kw_only
     loss_agg: LossAggregation = "token-mean"
     # KL to the frozen initial policy (k3 estimator); 0 skips the reference model.
     kl_coef: NonNegativeFloat = 0.0
+    # Cap on each token's k3 estimate (verl caps at 10), so one token far from the
+    # reference cannot dominate the loss; unset: uncapped.
+    kl_clamp: Annotated[float, msgspec.Meta(gt=0)] | None = None
+    # Dual clip (Ye et al. 2019; verl uses 3): with a negative advantage a token's loss
+    # is capped at -A·c, so a token whose ratio grew far (stale) cannot dominate;
+    # unset: off.
+    dual_clip: Annotated[float, msgspec.Meta(gt=1)] | None = None
     # Stale batches (concurrency > 1): "decoupled" clips against the weights before
     # this batch's updates and weighs tokens by π_prox/π_behaviour, capped.
     off_policy_correction: Literal["none", "decoupled"] = "none"
@@ -226,6 +233,7 @@ class LMPolicyTrainer(Trainer[C]):
             self.policy, rollouts.select(rows), advantages, cfg,
             proximal=None if proximal is None else proximal[rows],
             importance_cap=cfg.importance_cap, reference=self.reference, kl_coef=cfg.kl_coef,
+            kl_clamp=cfg.kl_clamp, dual_clip=cfg.dual_clip,
         )  # fmt: skip
 
     # ---- sync, eval, state
@@ -292,12 +300,14 @@ def task_rewards(
 def clipped_policy_loss(
     policy: TinyLM, rollouts: Rollouts, advantages: Tensor, settings: PolicyLossSettings, *,
     proximal: Tensor | None = None, importance_cap: float = 1.0,
-    reference: TinyLM | None = None, kl_coef: float = 0.0,
+    reference: TinyLM | None = None, kl_coef: float = 0.0, kl_clamp: float | None = None,
+    dual_clip: float | None = None,
 ) -> tuple[Tensor, dict[str, float], Tensor]:  # fmt: skip
     """The clipped surrogate of ``rollouts`` under ``policy`` (decoupled against
-    ``proximal`` log-probs when given, weights capped at ``importance_cap``), plus
-    ``kl_coef`` × k3 KL to ``reference`` when given. Returns the aggregated loss,
-    metrics, and the hidden states (a value head's input)."""
+    ``proximal`` log-probs when given, weights capped at ``importance_cap``; dual clip
+    at ``dual_clip``), plus ``kl_coef`` × k3 KL (capped at ``kl_clamp``) to
+    ``reference`` when given. Returns the aggregated loss, metrics, and the hidden
+    states (a value head's input)."""
     prompt_len = rollouts.prompt_ids.shape[1]
     logp, entropy, hidden = response_logprobs(
         policy, rollouts.sequences, prompt_len, settings.temperature
@@ -307,13 +317,14 @@ def clipped_policy_loss(
     if proximal is not None:
         loss_tok, clipped, weights = decoupled_surrogate(
             logp, proximal, rollouts.logprobs, advantages, settings.clip_low,
-            settings.clip_high, importance_cap,
+            settings.clip_high, importance_cap, clip_ratio_c=dual_clip,
         )  # fmt: skip
         metrics["importance_weight_mean"] = _masked_mean(weights, mask)
     else:
         loss_tok, clipped = clipped_surrogate(
-            logp, rollouts.logprobs, advantages, settings.clip_low, settings.clip_high
-        )
+            logp, rollouts.logprobs, advantages, settings.clip_low, settings.clip_high,
+            clip_ratio_c=dual_clip,
+        )  # fmt: skip
     metrics["clip_ratio"] = _masked_mean(clipped.float(), mask)
     metrics["entropy"] = _masked_mean(entropy.detach(), mask)
     if reference is not None:
@@ -321,7 +332,7 @@ def clipped_policy_loss(
             ref_logp, _, _ = response_logprobs(
                 reference, rollouts.sequences, prompt_len, settings.temperature
             )
-        kl = kl_k3(logp, ref_logp)
+        kl = kl_k3(logp, ref_logp, clamp=kl_clamp)
         loss_tok = loss_tok + kl_coef * kl
         metrics["kl"] = _masked_mean(kl.detach(), mask)
     else:
