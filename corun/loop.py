@@ -154,6 +154,7 @@ class _Session:
         teardown.push("logging", self.reporter.close)
         seed_everything(config.run.seed)  # model init draws from the global RNGs
         ctx = SetupContext(config, register=teardown.push)
+        ctx.lane = self.train_lane
         with self.trace.span("setup", "trainer"):
             await call_hook(self.train_lane, trainer.setup, ctx)
         self.events.emit("setup", self.clock.step)

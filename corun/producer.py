@@ -83,9 +83,10 @@ class Producer:
             started = time.monotonic()
             self.idle.rollouts_started += 1
             scheduled = self.clock.scheduled_version(slot) if self.fixed_schedule else None
+            attempt = self._attempts.get(index, 0)
             ctx = RolloutContext(
-                index, rollout_generator(self.seed, index, self._attempts.get(index, 0)),
-                self._attempts.get(index, 0), scheduled,
+                index, rollout_generator(self.seed, index, attempt), attempt, scheduled,
+                lane=lane, trace=self.trace, track=track,
             )  # fmt: skip
             version = self.clock.published if scheduled is None else scheduled
             with self.trace.span("rollout", track, index=index):

@@ -21,18 +21,22 @@ runs last on every exit path.
 from __future__ import annotations
 
 from collections.abc import Awaitable, Callable, Mapping, Sequence
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, ClassVar, Generic, Protocol, TypeVar
 
 import torch
 
+from corun.compute import Lane
 from corun.config import Config as CorunConfig
 from corun.config import TrainerConfig
 from corun.data import Dataset, IndexData
+from corun.events import Trace
 
 Metrics = Mapping[str, "float | Image"]  # numbers, and images such as sample grids
 C = TypeVar("C", bound=TrainerConfig)
+T = TypeVar("T")
 DEFAULT_OPTIMIZER = "model"  # its gradient norm is logged as train/grad_norm
 
 
@@ -55,12 +59,32 @@ class RolloutContext:
     number of the rollout from it. ``version`` is the policy version to generate with
     under ``loop.version_schedule = "fixed"`` (an older one than the latest, possibly);
     ``None`` means the latest published weights.
+
+    An ``async def`` rollout (one that waits on environments or servers) runs on the
+    event loop; it hands its blocking compute (generation) to :meth:`compute`, which
+    runs it on the rollout worker's own lane, and may record spans of its own work
+    (an episode's turns and waits) with :meth:`span`.
     """
 
     index: int
     generator: torch.Generator
     attempt: int = 0
     version: int | None = None
+    lane: Lane | None = None
+    trace: Trace | None = None
+    track: str = "producer"  # the rollout worker's trace track
+
+    async def compute(self, fn: Callable[..., T], *args: Any) -> T:
+        """``fn(*args)`` on this worker's compute lane (inline when there is none)."""
+        if self.lane is None:
+            return fn(*args)
+        return await self.lane.run(fn, *args)
+
+    def span(self, name: str, track: str, **args: Any) -> AbstractContextManager[None]:
+        """A trace span on ``track`` (a no-op without a trace)."""
+        if self.trace is None:
+            return nullcontext()
+        return self.trace.span(name, track, **args)
 
 
 @dataclass(frozen=True)
@@ -165,6 +189,10 @@ class SetupContext:
         self.optimizers: list[OptimizerSpec] = []
         self.kept: dict[str, Stateful] = {}
         self._register = register
+        # The train lane, for async hooks with blocking compute (an agentic evaluation
+        # that waits on environments: RolloutContext(..., lane=ctx.lane)); None
+        # outside a run (inline).
+        self.lane: Lane | None = None
 
     def add_optimizer(
         self, optimizer: torch.optim.Optimizer, *, grad_clip: float = 0.0,

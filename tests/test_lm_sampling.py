@@ -18,7 +18,7 @@ from tests.conftest import make_config
 from trainers.lm.engine import LocalEngine, Rollouts
 from trainers.lm.grpo import GRPOBatch, GRPOTrainer
 from trainers.lm.policy import build_policy, response_logprobs
-from trainers.lm.rl import Scored
+from trainers.lm.policy_gradient import Scored
 from trainers.lm.tasks import EOS, PAD, TASKS, encode_prompts
 
 # ----------------------------------------------------------------------------- engine

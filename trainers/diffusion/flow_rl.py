@@ -84,6 +84,13 @@ class ImageGroups:
         )  # fmt: skip
 
 
+# Two more departures, both small: advantages use the unbiased std + 1e-6
+# (trainers/pg.py; the reference's tracker uses the population std + 1e-4, so its
+# advantages are sqrt(n / (n − 1)) larger, 7 % at n = 8), and the trained step count
+# is ceil(steps × timestep_fraction) (the reference truncates), so a fraction never
+# trains zero steps.
+
+
 def sample_groups(
     sampler: VelocityModel, conditions: Tensor, targets: Tensor, settings: FlowGRPOSettings,
     sampling: Sampling, generator: torch.Generator,
@@ -130,9 +137,11 @@ def flow_grpo_step_loss(
       |Δt|), so its KL is this one × |Δt|: at 10 uniform steps ``kl_coef = 0.05`` here
       acts like 0.5 there. Kept: it is the divergence the name promises, and it does
       not change meaning with the number of steps.
-    - With guidance the unconditional branch is a constant in the loss (detached), as
-      in the reference: the policy is the guided velocity, and the unconditional
-      model is not what the reward judges.
+    - With guidance the unconditional branch is a constant in the loss (detached), a
+      choice of corun's (some Flow-GRPO derivatives make it; the official train_sd3.py
+      keeps its gradient): the unconditional model is trained by no reward, and its
+      coefficient (1 − s) is negative for s > 1, so its gradient pushes it the wrong
+      way.
     - ``approx_kl`` and ``clip_ratio`` are the reference's logged metrics:
       ½·mean((log π − log π_old)²) and the share of |ratio − 1| > clip_range.
     """

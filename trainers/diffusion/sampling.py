@@ -56,7 +56,9 @@ def timesteps(num_steps: int, shift: float = 1.0) -> Tensor:
     if num_steps < 1 or shift <= 0:
         raise ValueError(f"need num_steps >= 1 and shift > 0, got {num_steps}, {shift}")
     t = torch.linspace(1.0, 0.0, num_steps + 1)
-    return shift * t / (1 + (shift - 1) * t)
+    shifted = shift * t / (1 + (shift - 1) * t)
+    shifted[0] = 1.0  # exactly: float32 rounding of s / s can land a step off 1
+    return shifted
 
 
 def sde_sigmas(grid: Tensor, noise_level: float) -> Tensor:
@@ -73,7 +75,8 @@ def velocity(
     """The (guided) velocity at (x, t) for prompts ``tokens``; t is a scalar tensor or (N,).
 
     ``detach_uncond``: the unconditional branch enters as a constant (same values, no
-    gradient through it), as the reference Flow-GRPO trains with guidance."""
+    gradient through it): the loss then moves the guided velocity only through the
+    conditional branch."""
     if cfg_scale == 1.0:
         return model(x, t.expand(x.shape[0]), tokens)
     # One forward pass over [conditional; unconditional] rows.

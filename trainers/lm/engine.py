@@ -48,6 +48,11 @@ class Rollouts:
             self.logprobs[rows], self.truncated[rows], self.token_versions[rows], self.version,
         )  # fmt: skip
 
+    def spans_versions(self) -> Tensor:
+        """(N,) bool: rows whose tokens came from more than one version (partial rollouts)."""
+        versions = self.token_versions.masked_fill(~self.response_mask, self.version)
+        return versions.amax(dim=1) > versions.amin(dim=1)
+
     @staticmethod
     def concat(parts: list[Rollouts]) -> Rollouts:
         width = max(p.response_ids.shape[1] for p in parts)

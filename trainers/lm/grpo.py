@@ -16,7 +16,8 @@ from torch import Tensor
 
 from corun import RolloutContext
 from trainers.lm.engine import Rollouts
-from trainers.lm.rl import LMPolicyTrainer, RLConfig, Scored
+from trainers.lm.policy_gradient import PolicyGradientTrainer, RLConfig, Scored
+from trainers.lm.rl import LMPolicyTrainer
 from trainers.lm.settings import PositiveInt
 from trainers.pg import AdvantageScope, group_advantages, zero_std_groups
 
@@ -44,7 +45,25 @@ class GRPOBatch:
     advantages: Tensor  # (N,) one per response
 
 
-class GRPOTrainer(LMPolicyTrainer[GRPOConfig]):
+class GRPOAlgorithm(PolicyGradientTrainer[GRPOConfig]):
+    """GRPO's own math, for any source of scored batches (prompts, agent episodes):
+    each row's advantage against its group of ``samples_per_prompt``."""
+
+    def training_data(self, scored: Scored) -> GRPOBatch:
+        cfg, n = self.config, self.config.samples_per_prompt
+        advantages = group_advantages(scored.rewards, n, cfg.adv_scope, cfg.adv_std_norm)
+        return GRPOBatch(scored.rollouts, advantages)
+
+    def rows_loss(
+        self, data: GRPOBatch, rows: slice, proximal: Tensor | None
+    ) -> tuple[Tensor, dict[str, float]]:
+        loss, metrics, _ = self.policy_loss(
+            data.rollouts, rows, data.advantages[rows, None], proximal
+        )
+        return loss, metrics
+
+
+class GRPOTrainer(GRPOAlgorithm, LMPolicyTrainer[GRPOConfig]):
     Config = GRPOConfig
 
     def prompt_rounds(self) -> int:
@@ -84,16 +103,8 @@ class GRPOTrainer(LMPolicyTrainer[GRPOConfig]):
         metrics["rollout/kept_groups"] = float(num_kept)
         rollouts = Rollouts.concat([s.rollouts for s in kept])
         rewards = torch.cat([s.rewards for s in kept])
-        advantages = group_advantages(rewards, n, cfg.adv_scope, cfg.adv_std_norm)
-        return GRPOBatch(rollouts, advantages), metrics
-
-    def rows_loss(
-        self, data: GRPOBatch, rows: slice, proximal: Tensor | None
-    ) -> tuple[Tensor, dict[str, float]]:
-        loss, metrics, _ = self.policy_loss(
-            data.rollouts, rows, data.advantages[rows, None], proximal
-        )
-        return loss, metrics
+        prompts = [prompt for s in kept for prompt in s.prompts]
+        return self.training_data(Scored(rollouts, prompts, rewards)), metrics
 
 
 def select_groups(scored: Scored, groups: Tensor, group_size: int) -> Scored:

@@ -19,7 +19,8 @@ from torch import Tensor, nn
 from corun import RolloutContext
 from trainers.lm.engine import Rollouts
 from trainers.lm.policy import response_logprobs
-from trainers.lm.rl import LMPolicyTrainer, RLConfig, Scored
+from trainers.lm.policy_gradient import PolicyGradientTrainer, RLConfig, Scored
+from trainers.lm.rl import LMPolicyTrainer
 from trainers.lm.settings import NonNegativeFloat
 from trainers.pg import aggregate, clipped_value_loss, gae
 
@@ -44,17 +45,16 @@ class PPOBatch:
     returns: Tensor  # (N, T)
 
 
-class PPOTrainer(LMPolicyTrainer[PPOConfig]):
-    Config = PPOConfig
+class PPOAlgorithm(PolicyGradientTrainer[PPOConfig]):
+    """PPO's own math, for any source of scored batches (prompts, agent episodes): the
+    value head, GAE from the reward on the final trained token, the value loss."""
 
     def build_extra_modules(self) -> dict[str, nn.Module]:
         self.value_head = nn.Linear(self.policy.config.d_model, 1)
         return {"value_head": self.value_head}
 
-    def make_batch(
-        self, examples: list[tuple[str, str]], ctx: RolloutContext
-    ) -> tuple[Scored, dict[str, float]]:
-        return self.sample_and_score(examples, ctx)
+    def training_data(self, scored: Scored) -> Scored:
+        return scored  # GAE needs the values of the weights it is trained from: prepare_data
 
     @torch.no_grad()
     def prepare_data(self, scored: Scored) -> PPOBatch:
@@ -64,7 +64,9 @@ class PPOTrainer(LMPolicyTrainer[PPOConfig]):
         )
         mask = rollouts.response_mask
         old_values = self.value_head(hidden).squeeze(-1) * mask
-        last = mask.sum(dim=1) - 1  # index of each response's final token
+        # Each response's final token (its last trained one: a multi-turn transcript has
+        # untrained observation tokens between the turns).
+        last = torch.where(mask, torch.arange(mask.shape[1]), -1).amax(dim=1)
         token_rewards = torch.zeros_like(old_values)
         token_rewards[torch.arange(len(last)), last] = scored.rewards
         advantages, returns = gae(token_rewards, old_values, mask, cfg.gamma, cfg.lam)
@@ -90,3 +92,13 @@ class PPOTrainer(LMPolicyTrainer[PPOConfig]):
         metrics["value_loss"] = float(value_loss.detach())
         metrics["policy_loss"] = float(policy_loss.detach())
         return policy_loss + self.config.vf_coef * value_loss, metrics
+
+
+class PPOTrainer(PPOAlgorithm, LMPolicyTrainer[PPOConfig]):
+    Config = PPOConfig
+
+    def make_batch(
+        self, examples: list[tuple[str, str]], ctx: RolloutContext
+    ) -> tuple[Scored, dict[str, float]]:
+        scored, metrics = self.sample_and_score(examples, ctx)
+        return self.training_data(scored), metrics

@@ -17,40 +17,23 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from trainers.lm.vocab import EOS as EOS
+from trainers.lm.vocab import PAD as PAD
+from trainers.lm.vocab import CharVocab
+
 # ----------------------------------------------------------------------------- vocabulary
 
-PAD, EOS = 0, 1
 CHARS = "0123456789+=>"
-VOCAB = ("<pad>", "<eos>", *CHARS)
-VOCAB_SIZE = len(VOCAB)
+VOCABULARY = CharVocab(CHARS)
+VOCAB = VOCABULARY.tokens
+VOCAB_SIZE = len(VOCABULARY)
 # Longest token sequence (prompt + answer + EOS) the models are built for.
 MAX_LEN = 32
-_CHAR_IDS = {char: i for i, char in enumerate(VOCAB) if len(char) == 1}
 
 Example = tuple[str, str]  # (prompt, answer)
-
-
-def unknown_chars(text: str) -> str:
-    """The characters of ``text`` outside the vocabulary, sorted (empty if none)."""
-    return "".join(sorted(set(text) - _CHAR_IDS.keys()))
-
-
-def encode(text: str) -> list[int]:
-    try:
-        return [_CHAR_IDS[char] for char in text]
-    except KeyError as exc:
-        raise ValueError(f"character {exc.args[0]!r} is not in the vocabulary") from None
-
-
-def decode(ids: Sequence[int]) -> str:
-    """Text up to the first EOS; PAD is skipped."""
-    chars = []
-    for i in ids:
-        if i == EOS:
-            break
-        if i != PAD:
-            chars.append(VOCAB[i])
-    return "".join(chars)
+unknown_chars = VOCABULARY.unknown
+encode = VOCABULARY.encode
+decode = VOCABULARY.decode
 
 
 def _stable_int(*parts: object) -> int:

@@ -31,7 +31,8 @@ from trainers.diffusion.flow_rl import (
 )
 from trainers.diffusion.shapes import ShapeBatch
 from trainers.lm.engine import LocalEngine, Rollouts
-from trainers.lm.rl import clipped_policy_loss, task_rewards
+from trainers.lm.policy_gradient import clipped_policy_loss
+from trainers.lm.rl import task_rewards
 from trainers.lm.tasks import Task, encode_prompts
 from trainers.pg import (
     AdvantageScope,

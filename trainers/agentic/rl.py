@@ -1,0 +1,165 @@
+"""GRPO and PPO over multi-turn tool-use episodes (registered as ``agentic`` and
+``agentic_ppo``).
+
+What differs from the single-turn LM trainers lives here: the policy's vocabulary and
+length (the calculator task's), the dataset (problems), an ``async def`` rollout that
+runs a group of ``samples_per_prompt`` episodes per problem through their
+environments (trainers/agentic/runner.py) and scores them by their rewards, and an
+evaluation that runs greedy episodes on held-out problems. The algorithms' own
+pieces — group advantages, GAE, the clipped (and decoupled) policy loss over the
+policy's tokens only — are GRPO's and PPO's, unchanged.
+
+An episode whose environment failed or timed out is not trained on (its tokens are
+masked out) and, under GRPO, takes its group's mean reward, so it moves nobody's
+advantage; the failures are counted (``rollout/env_failures``).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+import torch
+from torch import Tensor
+
+from corun import Batch, RolloutContext, SetupContext
+from corun.episodes import Environment, Episode
+from trainers.agentic import calculator
+from trainers.agentic.calculator import EnvSettings, Problem, Problems
+from trainers.agentic.policy import (
+    build_agent,
+    calculator_env,
+    episode_metrics,
+    evaluate_agent,
+    run_agent,
+)
+from trainers.agentic.runner import Generated
+from trainers.lm.engine import LocalEngine, Rollouts
+from trainers.lm.grpo import GRPOAlgorithm, GRPOConfig
+from trainers.lm.model import TinyLM
+from trainers.lm.policy import policy_from
+from trainers.lm.policy_gradient import PolicyGradientTrainer, Scored
+from trainers.lm.ppo import PPOAlgorithm, PPOConfig
+from trainers.lm.settings import PositiveInt
+
+
+class AgenticConfig(GRPOConfig, frozen=True, forbid_unknown_fields=True, kw_only=True):
+    task: Literal["calculator"] = "calculator"  # type: ignore[assignment]
+    env: EnvSettings = EnvSettings()  # [trainer.env]: tool latency, limits
+    eval_size: PositiveInt = 256  # held-out problems per evaluation
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.dynamic_sampling:
+            raise ValueError("`$.dynamic_sampling` draws more prompts; episodes do not")
+
+
+class AgenticPPOConfig(PPOConfig, frozen=True, forbid_unknown_fields=True, kw_only=True):
+    task: Literal["calculator"] = "calculator"  # type: ignore[assignment]
+    env: EnvSettings = EnvSettings()  # [trainer.env]: tool latency, limits
+    eval_size: PositiveInt = 256  # held-out problems per evaluation
+
+
+class AgenticEpisodes(PolicyGradientTrainer[Any]):
+    """The episode side, mixed in before an algorithm (GRPOAlgorithm, PPOAlgorithm)."""
+
+    def setup(self, ctx: SetupContext) -> None:
+        super().setup(ctx)
+        self.train_lane = ctx.lane
+
+    def initial_policy(self) -> TinyLM:
+        cfg = self.config
+        return policy_from(cfg.init_from) if cfg.init_from else build_agent(cfg)
+
+    def setup_task(self) -> None:
+        self.eval_problems = calculator.eval_problems(self.config.eval_size)
+
+    def dataset(self) -> Problems:
+        return Problems(self.run_config.data.batch_size, self.run_config.run.seed)
+
+    def make_env(self, index: int, row: int, settings: EnvSettings) -> Environment:
+        """The environment of episode ``row`` of the rollout of data ``index``."""
+        return calculator_env(self.run_config.run.seed, index, row, settings)
+
+    # ---- rollout
+    async def rollout(self, problems: list[Problem], ctx: RolloutContext) -> Batch:
+        cfg, n = self.config, self.config.samples_per_prompt
+        tasks = [problem for problem in problems for _ in range(n)]
+        envs = [self.make_env(ctx.index, row, cfg.env) for row in range(len(tasks))]
+        episodes = await run_agent(ctx, envs, tasks, self._sampler(ctx), cfg.env, self.policy)
+        rollouts = to_rollouts(episodes, ctx.version or 0)
+        rewards = torch.tensor([e.reward for e in episodes])
+        scored = Scored(rollouts, [p.prompt for p in tasks], _fill_failed(rewards, episodes, n))
+        metrics = {f"rollout/{k}": v for k, v in episode_metrics(episodes, tasks).items()}
+        metrics["perf/env_wait_time_s"] = sum(e.env_wait_s for e in episodes)
+        return Batch(self.training_data(scored), metrics, version=rollouts.version)
+
+    def _sampler(self, ctx: RolloutContext) -> Any:
+        """The turn generator of one rollout, run on its worker's lane: the engine copy it
+        starts with for every turn ("drain"), or the newest weights at each turn
+        ("interrupt": later turns may carry newer versions)."""
+        cfg = self.config
+        engine: LocalEngine | None = None
+
+        def generate(transcripts: Tensor, width: int) -> Generated:
+            nonlocal engine
+            if engine is None or cfg.inflight_at_sync == "interrupt":
+                engine = self.replicas.local(ctx.version if engine is None else None)[0]
+            out = engine.generate(
+                transcripts, 1, width, cfg.temperature, cfg.top_p, generator=ctx.generator
+            )
+            return Generated(
+                out.response_ids, out.logprobs, out.token_versions, out.response_mask.sum(1)
+            )
+
+        return generate
+
+    # ---- evaluation: greedy episodes on held-out problems, no tool latency
+    async def evaluate(self) -> dict[str, float]:  # type: ignore[override]
+        return await evaluate_agent(
+            self.policy, self.eval_problems, self.config.env, self.train_lane, self.make_env
+        )
+
+
+def to_rollouts(episodes: list[Episode], version: int) -> Rollouts:
+    """Episodes as one batch of token rows: the prompt, then everything after it (policy
+    tokens trained; observations, fillers and untrainable episodes masked out)."""
+    width = max(len(e.ids) for e in episodes)
+
+    def rows(values: Any, fill: Any, dtype: torch.dtype) -> Tensor:
+        return torch.tensor([[*v, *[fill] * (width - len(v))] for v in values], dtype=dtype)
+
+    mask = rows([[t and e.trainable for t in e.trained] for e in episodes], False, torch.bool)
+    versions = [v for e in episodes for v, t in zip(e.versions, e.trained, strict=True) if t]
+    oldest = min(versions, default=version)
+    return Rollouts(
+        prompt_ids=torch.tensor([e.prompt_ids for e in episodes]),
+        response_ids=rows([e.ids for e in episodes], calculator.PAD, torch.long),
+        response_mask=mask,
+        logprobs=rows([e.logprobs for e in episodes], 0.0, torch.float32),
+        truncated=torch.tensor([e.status != "done" for e in episodes]),
+        token_versions=rows(
+            [[max(v, oldest) for v in e.versions] for e in episodes], oldest, torch.long
+        ),
+        version=oldest,
+    )
+
+
+def _fill_failed(rewards: Tensor, episodes: list[Episode], group: int) -> Tensor:
+    """An untrainable episode takes the mean reward of its group's trainable ones."""
+    rewards = rewards.clone()
+    for start in range(0, len(episodes), group):
+        members = range(start, start + group)
+        ok = [i for i in members if episodes[i].trainable]
+        mean = float(rewards[ok].mean()) if ok else 0.0
+        for i in members:
+            if not episodes[i].trainable:
+                rewards[i] = mean
+    return rewards
+
+
+class AgenticGRPOTrainer(AgenticEpisodes, GRPOAlgorithm):
+    Config = AgenticConfig
+
+
+class AgenticPPOTrainer(AgenticEpisodes, PPOAlgorithm):
+    Config = AgenticPPOConfig

@@ -1,0 +1,273 @@
+"""What every policy-gradient trainer of a TinyLM policy shares, single-turn or over
+multi-turn episodes: the policy (fresh or warm-started), the optimizer, the rollout
+engine with its replicas and weight sync, per-batch preparation (the decoupled
+correction's proximal log-probs), the clipped policy loss over the policy's tokens,
+and state.
+
+A subclass supplies where the policy comes from (``initial_policy``), its task
+(``setup_task``, ``dataset``, ``rollout``, ``evaluate``), and — through an algorithm
+class such as :class:`trainers.lm.grpo.GRPOAlgorithm` — how a scored batch becomes
+training data (``training_data``) and the loss of a slice of rows (``rows_loss``).
+The runtime splits batches into ``loop.mini_batches`` optimizer steps and applies them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Annotated, Any, Generic, Literal, Protocol, TypeVar
+
+import msgspec
+import torch
+from msgspec.structs import asdict
+from torch import Tensor
+
+from corun import Batch, ConfigError, Part, SetupContext, Trainer
+from corun.prerequisites import is_config
+from trainers.lm.engine import LocalEngine, Rollouts
+from trainers.lm.model import TinyLM
+from trainers.lm.policy import load_policy, load_policy_state, policy_state, response_logprobs
+from trainers.lm.settings import LMTrainerConfig, NonNegativeFloat, PositiveInt
+from trainers.pg import (
+    LossAggregation,
+    aggregate,
+    clipped_surrogate,
+    decoupled_surrogate,
+    kl_k3,
+)
+from trainers.weights import Replicas, frozen_copy
+
+UnitFloat = Annotated[float, msgspec.Meta(gt=0, le=1)]
+
+
+class RLConfig(LMTrainerConfig, frozen=True, forbid_unknown_fields=True, kw_only=True):
+    """Settings shared by the LM policy-gradient trainers."""
+
+    # Warm start: a checkpoint directory, or the .toml config of a run that corun
+    # trains first when its final checkpoint is missing. Empty: a fresh model.
+    init_from: str = ""
+    lr: Annotated[float, msgspec.Meta(gt=0)] = 3e-4
+    samples_per_prompt: PositiveInt = 8
+    temperature: Annotated[float, msgspec.Meta(gt=0)] = 1.0
+    top_p: UnitFloat = 1.0
+    # Response length cap; 0 = the task's longest answer + EOS.
+    max_new_tokens: Annotated[int, msgspec.Meta(ge=0)] = 0
+    # What a response that hit the cap without EOS earns: "zero", or its usual reward.
+    truncated_reward: Literal["zero", "keep"] = "zero"
+    clip_low: NonNegativeFloat = 0.2
+    clip_high: NonNegativeFloat = 0.2  # DAPO clip-higher: e.g. 0.28
+    loss_agg: LossAggregation = "token-mean"
+    # KL to the frozen initial policy (k3 estimator); 0 skips the reference model.
+    kl_coef: NonNegativeFloat = 0.0
+    # Cap on each token's k3 estimate (verl caps at 10), so one token far from the
+    # reference cannot dominate the loss; unset: uncapped.
+    kl_clamp: Annotated[float, msgspec.Meta(gt=0)] | None = None
+    # Dual clip (Ye et al. 2019; verl uses 3): with a negative advantage a token's loss
+    # is capped at -A·c, so a token whose ratio grew far (stale) cannot dominate;
+    # unset: off.
+    dual_clip: Annotated[float, msgspec.Meta(gt=1)] | None = None
+    # Stale batches (concurrency > 1): "decoupled" clips against the weights before
+    # this batch's updates and weighs tokens by π_prox/π_behaviour, capped.
+    off_policy_correction: Literal["none", "decoupled"] = "none"
+    importance_cap: Annotated[float, msgspec.Meta(ge=1)] = 2.0
+    # A generation in flight when new weights are published (concurrency > 1):
+    # "drain" finishes it on the weights it started with; "interrupt" switches to the
+    # new weights between decode steps and continues from the prefix (partial rollout;
+    # timing decides where, so not with loop.version_schedule = "fixed").
+    inflight_at_sync: Literal["drain", "interrupt"] = "drain"
+    grad_clip: NonNegativeFloat = 1.0
+    eval_size: PositiveInt = 512
+
+
+C = TypeVar("C", bound=RLConfig)
+D = TypeVar("D")
+
+
+@dataclass
+class Scored:
+    """A sampled batch with rewards: what ``make_batch`` turns into training data."""
+
+    rollouts: Rollouts
+    prompts: list[str]  # one per row
+    rewards: Tensor  # (N,)
+
+
+@dataclass
+class Prepared(Generic[D]):
+    """A batch's training data after ``prepare``."""
+
+    data: D
+    # Log-probs under the weights before this batch's update (decoupled correction).
+    proximal: Tensor | None
+
+
+class PolicyGradientTrainer(Trainer[C]):
+    """Base of the TinyLM policy-gradient trainers (single-turn and agentic)."""
+
+    # ---- set-up
+    def prerequisites(self) -> list[str]:
+        return [self.config.init_from] if is_config(self.config.init_from) else []
+
+    def setup(self, ctx: SetupContext) -> None:
+        cfg = self.config
+        if cfg.inflight_at_sync == "interrupt" and ctx.config.loop.version_schedule == "fixed":
+            raise ConfigError(
+                '`$.trainer.inflight_at_sync` = "interrupt": a partial rollout switches weights '
+                'when a publish happens to come, which loop.version_schedule = "fixed" forbids'
+            )
+        self.policy = self.initial_policy()
+        # The KL anchor is the initial policy, frozen (on resume too: set-up rebuilds it).
+        self.reference = frozen_copy(self.policy) if cfg.kl_coef > 0 else None
+        self.extra_modules = self.build_extra_modules()
+        params = [*self.policy.parameters(), *self.extra_parameters()]
+        self.optimizer = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=0.0)
+        ctx.add_optimizer(self.optimizer, grad_clip=cfg.grad_clip)
+        # The rollout engine: the train thread's, updated in place at each sync, and
+        # one replica per rollout worker thread (concurrency > 1).
+        self.replicas: Replicas[LocalEngine] = Replicas(
+            LocalEngine(self.policy), self._engine_replica, LocalEngine.update_weights,
+            initial=self.policy.state_dict(), ctx=ctx,
+        )  # fmt: skip
+        self.engine = self.replicas.home
+        self.setup_task()
+
+    def initial_policy(self) -> TinyLM:
+        """The policy to start from: a warm start's, or a fresh one."""
+        raise NotImplementedError
+
+    def setup_task(self) -> None:
+        """The task's own set-up (held-out evaluation, length caps)."""
+
+    def build_extra_modules(self) -> dict[str, torch.nn.Module]:
+        """Trainable modules beside the policy (PPO's value head); saved and restored."""
+        return {}
+
+    def extra_parameters(self) -> list[torch.nn.Parameter]:
+        return [p for module in self.extra_modules.values() for p in module.parameters()]
+
+    # ---- train
+    def training_data(self, scored: Scored) -> Any:
+        """A scored batch as the algorithm trains on it (GRPO: with group advantages)."""
+        raise NotImplementedError
+
+    # ---- train
+    def prepare(self, batch: Batch) -> Prepared[Any]:
+        data = self.prepare_data(batch.data)
+        proximal = None
+        if self.config.off_policy_correction == "decoupled":
+            rollouts = data.rollouts
+            with torch.no_grad():  # the policy before this batch's update
+                proximal, _, _ = response_logprobs(
+                    self.policy, rollouts.sequences, rollouts.prompt_ids.shape[1],
+                    self.config.temperature,
+                )  # fmt: skip
+        return Prepared(data, proximal)
+
+    def prepare_data(self, data: Any) -> Any:
+        """Per-batch work before the update (PPO: old values and GAE)."""
+        return data
+
+    def loss(self, batch: Batch, part: Part) -> tuple[Tensor, dict[str, float]]:
+        prepared: Prepared[Any] = batch.data
+        self.policy.train()
+        rows = part.rows(prepared.data.rollouts.prompt_ids.shape[0])
+        return self.rows_loss(prepared.data, rows, prepared.proximal)
+
+    def rows_loss(
+        self, data: Any, rows: slice, proximal: Tensor | None
+    ) -> tuple[Tensor, dict[str, float]]:
+        raise NotImplementedError
+
+    def policy_loss(
+        self, rollouts: Rollouts, rows: slice, advantages: Tensor, proximal: Tensor | None
+    ) -> tuple[Tensor, dict[str, float], Tensor]:
+        """Clipped surrogate (+ KL) over ``rows``; ``advantages`` is (rows, 1) or (rows, T)."""
+        cfg = self.config
+        return clipped_policy_loss(
+            self.policy, rollouts.select(rows), advantages, cfg,
+            proximal=None if proximal is None else proximal[rows],
+            importance_cap=cfg.importance_cap, reference=self.reference, kl_coef=cfg.kl_coef,
+            kl_clamp=cfg.kl_clamp, dual_clip=cfg.dual_clip,
+        )  # fmt: skip
+
+    # ---- sync, eval, state
+    def _engine_replica(self, state: dict[str, Tensor], version: int) -> LocalEngine:
+        engine = LocalEngine(
+            load_policy({"model_config": asdict(self.policy.config), "model": state})
+        )
+        engine.version = version
+        return engine
+
+    def sync_weights(self, version: int) -> None:
+        self.replicas.sync(self.policy.state_dict(), version)
+
+    def wandb_extra(self) -> dict[str, Any]:
+        return {"model/num_params": self.policy.num_params()}
+
+    def state_dict(self) -> dict[str, Any]:
+        extra = {name: module.state_dict() for name, module in self.extra_modules.items()}
+        return policy_state(self.policy, self.optimizer, self.config.task, extra=extra)
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        load_policy_state(state, self.policy, self.optimizer, self.config.task)
+        for name, module in self.extra_modules.items():
+            module.load_state_dict(state["extra"][name])
+
+
+class PolicyLossSettings(Protocol):
+    # Read-only, as the frozen config Structs that satisfy it.
+    @property
+    def temperature(self) -> float: ...
+    @property
+    def clip_low(self) -> float: ...
+    @property
+    def clip_high(self) -> float: ...
+    @property
+    def loss_agg(self) -> LossAggregation: ...
+
+
+def clipped_policy_loss(
+    policy: TinyLM, rollouts: Rollouts, advantages: Tensor, settings: PolicyLossSettings, *,
+    proximal: Tensor | None = None, importance_cap: float = 1.0,
+    reference: TinyLM | None = None, kl_coef: float = 0.0, kl_clamp: float | None = None,
+    dual_clip: float | None = None,
+) -> tuple[Tensor, dict[str, float], Tensor]:  # fmt: skip
+    """The clipped surrogate of ``rollouts`` under ``policy`` (decoupled against
+    ``proximal`` log-probs when given, weights capped at ``importance_cap``; dual clip
+    at ``dual_clip``), plus ``kl_coef`` × k3 KL (capped at ``kl_clamp``) to
+    ``reference`` when given. Returns the aggregated loss, metrics, and the hidden
+    states (a value head's input)."""
+    prompt_len = rollouts.prompt_ids.shape[1]
+    logp, entropy, hidden = response_logprobs(
+        policy, rollouts.sequences, prompt_len, settings.temperature
+    )
+    mask = rollouts.response_mask
+    metrics: dict[str, float] = {}
+    if proximal is not None:
+        loss_tok, clipped, weights = decoupled_surrogate(
+            logp, proximal, rollouts.logprobs, advantages, settings.clip_low,
+            settings.clip_high, importance_cap, clip_ratio_c=dual_clip,
+        )  # fmt: skip
+        metrics["importance_weight_mean"] = _masked_mean(weights, mask)
+    else:
+        loss_tok, clipped = clipped_surrogate(
+            logp, rollouts.logprobs, advantages, settings.clip_low, settings.clip_high,
+            clip_ratio_c=dual_clip,
+        )  # fmt: skip
+    metrics["clip_ratio"] = _masked_mean(clipped.float(), mask)
+    metrics["entropy"] = _masked_mean(entropy.detach(), mask)
+    if reference is not None:
+        with torch.no_grad():
+            ref_logp, _, _ = response_logprobs(
+                reference, rollouts.sequences, prompt_len, settings.temperature
+            )
+        kl = kl_k3(logp, ref_logp, clamp=kl_clamp)
+        loss_tok = loss_tok + kl_coef * kl
+        metrics["kl"] = _masked_mean(kl.detach(), mask)
+    else:
+        metrics["kl"] = _masked_mean(kl_k3(logp.detach(), rollouts.logprobs), mask)
+    return aggregate(loss_tok, mask, settings.loss_agg), metrics, hidden
+
+
+def _masked_mean(values: Tensor, mask: Tensor) -> float:
+    mask = mask.to(values.dtype)
+    return float((values * mask).sum() / mask.sum().clamp(min=1))
