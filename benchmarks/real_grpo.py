@@ -20,25 +20,27 @@ from corun.events import EVENTS_FILE, read_records
 CONFIGS = ("configs/grpo.toml", "configs/grpo_async.toml")
 
 
-def train(config: str, run_dir: Path, steps: int, eval_interval: int) -> dict[str, Any]:
+def train(
+    config: str, run_dir: Path, steps: int, eval_interval: int, *overrides: str,
+    metric: str = "eval/reward",
+) -> dict[str, Any]:  # fmt: skip
+    """``corun train`` in a fresh process; its median time per step, training time (from
+    the end of the baseline eval), and the eval ``metric`` over (step, seconds)."""
     command = [
         sys.executable, "-m", "corun.cli", "train", config, f"run.dir={run_dir}",
         f"run.steps={steps}", f"loop.eval_interval={eval_interval}", "log.progress=off",
+        *overrides,
     ]  # fmt: skip
     subprocess.run(command, check=True, env={**os.environ, "WANDB_MODE": "disabled"})
     events = read_records(run_dir / EVENTS_FILE)
     start = next(e["t"] for e in events if e["event"] == "baseline_eval")
     step_times = [e["t"] for e in events if e["event"] == "step"]
     eval_times = {e["step"]: e["t"] for e in events if e["event"] in ("eval", "baseline_eval")}
-    rewards = {
-        r["step"]: r["eval/reward"]
-        for r in read_records(run_dir / "metrics.jsonl")
-        if "eval/reward" in r
-    }
+    values = {r["step"]: r[metric] for r in read_records(run_dir / "metrics.jsonl") if metric in r}
     return {
         "step_s": statistics.median(b - a for a, b in pairwise(step_times)),
         "train_s": step_times[-1] - start,
-        "curve": [(step, eval_times[step] - start, rewards[step]) for step in sorted(rewards)],
+        "curve": [(step, eval_times[step] - start, values[step]) for step in sorted(values)],
     }
 
 

@@ -133,7 +133,10 @@ def start_corun(tmp_path: Path) -> Iterator[Callable[..., CorunRun]]:
         config = {
             "run": {"dir": str(run_dir), "steps": 3, **tables.pop("run", {})},
             "log": {"progress": "plain", **tables.pop("log", {})},
-            "trainer": {"kind": "tests.fakes:FakeTrainer", "spawn_engine": True, **trainer},
+            # The fake trainer with its engine child process, unless another kind is named.
+            "trainer": trainer
+            if "kind" in trainer
+            else {"kind": "tests.fakes:FakeTrainer", "spawn_engine": True, **trainer},
             **tables,
         }
         cfg = tmp_path / "cfg.toml"

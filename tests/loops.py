@@ -4,11 +4,13 @@ mixin for golden orders."""
 
 from __future__ import annotations
 
+import inspect
 from collections import defaultdict
 from collections.abc import Iterable
 from pathlib import Path
 from typing import Any, Generic, TypeVar
 
+import anyio
 import torch
 
 import corun
@@ -36,8 +38,7 @@ def handwritten_loop(trainer_cls: type[T], config: corun.Config) -> tuple[T, lis
     records = []
     for index in range(config.run.steps):
         rollout_ctx = corun.RolloutContext(index, corun.rollout_generator(seed, index, 0))
-        batch = trainer.rollout(data.batch(index), rollout_ctx)
-        batch = batch if isinstance(batch, corun.Batch) else corun.Batch(batch)
+        batch = call_rollout(trainer, data.batch(index), rollout_ctx)
         batch.index = index
         if index % loop.accumulate == 0:
             _zero_grad(ctx)
@@ -58,6 +59,18 @@ def handwritten_loop(trainer_cls: type[T], config: corun.Config) -> tuple[T, lis
         if (index + 1) % loop.sync_every == 0:
             trainer.sync_weights((index + 1) // loop.accumulate)
     return trainer, records
+
+
+def call_rollout(
+    trainer: corun.Trainer[Any], inputs: Any, ctx: corun.RolloutContext
+) -> corun.Batch:
+    """``trainer.rollout`` as a plain call; an ``async def`` one (agentic episodes) runs
+    in an event loop of its own (call this outside one)."""
+    if inspect.iscoroutinefunction(trainer.rollout):
+        result = anyio.run(trainer.rollout, inputs, ctx)
+    else:
+        result = trainer.rollout(inputs, ctx)
+    return result if isinstance(result, corun.Batch) else corun.Batch(result)
 
 
 def _backward(
@@ -108,8 +121,7 @@ class Harness(Generic[T]):
         """The rollout of data ``index`` (or of ``inputs``), as the producer makes it."""
         generator = corun.rollout_generator(self.config.run.seed, index, 0)
         inputs = self.data.batch(index) if inputs is None else inputs
-        batch = self.trainer.rollout(inputs, corun.RolloutContext(index, generator))
-        batch = batch if isinstance(batch, corun.Batch) else corun.Batch(batch)
+        batch = call_rollout(self.trainer, inputs, corun.RolloutContext(index, generator))
         batch.index = index
         return batch
 

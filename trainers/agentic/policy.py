@@ -74,7 +74,9 @@ async def evaluate_agent(
         return Generated(out.tokens, out.logprobs, out.versions.expand_as(out.tokens), lengths)
 
     episodes = await run_agent(ctx, envs, problems, greedy, settings, policy)
-    return {f"eval/{k}": v for k, v in episode_metrics(episodes, problems).items()}
+    metrics = episode_metrics(episodes, problems)
+    metrics["reward"] = metrics.pop("reward_mean")  # eval/reward: the shared name
+    return {f"eval/{k}": v for k, v in metrics.items()}
 
 
 def episode_metrics(episodes: list[Episode], problems: Sequence[Problem]) -> dict[str, float]:

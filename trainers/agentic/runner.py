@@ -56,10 +56,24 @@ async def run_episodes(
     codec: Codec, *, max_turns: int, turn_tokens: int, max_len: int, step_timeout_s: float,
 ) -> list[Episode]:  # fmt: skip
     """Run one episode per (environment, task) to its end."""
-    prompts = [codec.encode(await env.reset(task)) for env, task in zip(envs, tasks, strict=True)]
+    failures: dict[int, str] = {}
+    prompts: list[list[int]] = [[] for _ in envs]
+
+    async def reset(i: int) -> None:
+        try:
+            with anyio.fail_after(step_timeout_s):
+                prompts[i] = codec.encode(await envs[i].reset(tasks[i]))
+        except Exception as exc:  # as in a step: this episode fails, the others go on
+            failures[i] = f"reset: {type(exc).__name__}: {exc}"
+
+    async with anyio.create_task_group() as tg:
+        for i in range(len(envs)):
+            tg.start_soon(reset, i)
     width = max(len(p) for p in prompts)  # prompts are left-padded to one length
     episodes = [Episode(prompt_ids=[codec.pad] * (width - len(p)) + p) for p in prompts]
-    active = list(range(len(episodes)))
+    for i, reason in failures.items():
+        episodes[i].status, episodes[i].reason = "failed", reason
+    active = [i for i in range(len(episodes)) if i not in failures]
     for turn in range(max_turns):
         room = max_len - episodes[active[0]].length if active else 0
         if room < 2:
@@ -76,20 +90,24 @@ async def run_episodes(
                 tg.start_soon(_step, ctx, envs[i], replies[row], episodes[i], steps, row,
                               step_timeout_s)  # fmt: skip
         going = []
+        last_turn = turn == max_turns - 1
         for row, i in enumerate(active):
-            step = steps[row]
+            step, episode = steps[row], episodes[i]
             if step is None:  # the environment failed or timed out: the episode is over
                 continue
-            episodes[i].reward += step.reward
+            episode.reward += step.reward
             if step.done:
-                episodes[i].status = "done"
-            else:
-                episodes[i].add_observation(codec.encode_observation(step.observation))
-                going.append(i)
+                episode.status = "done"
+                continue
+            seen = codec.encode_observation(step.observation)
+            if last_turn or episode.length + len(seen) + 2 > max_len:
+                # No turn would follow: the observation would be read by nobody.
+                episode.status = "turn_limit" if last_turn else "token_limit"
+                continue
+            episode.add_observation(seen)
+            going.append(i)
         _pad_observations([episodes[i] for i in going], codec.pad)
         active = going
-    for i in active:
-        episodes[i].status = "turn_limit"
     return episodes
 
 
