@@ -9,11 +9,14 @@ from corun.compute import Lane, cancel_point
 from corun.config import Config, TrainerConfig
 from corun.config_file import config_from_dict, load_config
 from corun.data import Dataset, ShuffledBatches, read_jsonl
+from corun.embed import training
+from corun.episodes import Environment, Episode, EpisodeInbox, Step
 from corun.errors import CheckpointError, ConfigError, DataError, UsageError
 from corun.loop import run
 from corun.procs import ChildProcess
 from corun.registry import resolve_trainer
 from corun.rng import generator, rollout_generator, seed_everything, stable_seed, update_generator
+from corun.session import Session
 from corun.teardown import RunControl
 from corun.trainer import (
     Batch,
@@ -37,6 +40,9 @@ __all__ = [
     "ConfigError",
     "DataError",
     "Dataset",
+    "Environment",
+    "Episode",
+    "EpisodeInbox",
     "Image",
     "Lane",
     "Metrics",
@@ -45,8 +51,10 @@ __all__ = [
     "Part",
     "RolloutContext",
     "RunControl",
+    "Session",
     "SetupContext",
     "ShuffledBatches",
+    "Step",
     "Trainer",
     "TrainerConfig",
     "UsageError",
@@ -60,5 +68,6 @@ __all__ = [
     "run",
     "seed_everything",
     "stable_seed",
+    "training",
     "update_generator",
 ]

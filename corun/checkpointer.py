@@ -11,7 +11,7 @@ ones (the window's gradients are not state).
 
 from __future__ import annotations
 
-from collections.abc import Awaitable, Callable
+from collections.abc import Callable
 from typing import Any
 
 import anyio
@@ -19,20 +19,17 @@ import anyio.abc
 
 from corun import checkpoint
 from corun.clock import Clock
-from corun.compute import Lane
+from corun.compute import Lane, blocking_io
 from corun.config import Config
 from corun.events import EventLog, Trace
 from corun.teardown import RunControl
 from corun.trainer import Outcome
 
-BlockingCall = Callable[..., Awaitable[Any]]
-
 
 class Checkpointer:
     def __init__(
         self, config: Config, run_id: str, clock: Clock, events: EventLog, trace: Trace,
-        control: RunControl, lane: Lane, state: Callable[[], Any], blocking: BlockingCall,
-        *, resumed: bool,
+        control: RunControl, lane: Lane, state: Callable[[], Any], *, resumed: bool,
     ) -> None:  # fmt: skip
         self.config = config
         self.run_dir = config.run_dir
@@ -43,7 +40,6 @@ class Checkpointer:
         self.control = control
         self.lane = lane  # where snapshots are taken: between steps, never mid-update
         self.state = state  # the tensors to save, as live references
-        self.blocking = blocking  # file I/O off the loop (or inline, in inline mode)
         self.last_saved = clock.step if resumed else -1
         self.error: BaseException | None = None
         self._pending = 0
@@ -96,10 +92,12 @@ class Checkpointer:
     async def _write(self, tensors: Any, state: checkpoint.TrainerState) -> None:
         try:
             with self.trace.span("write", "checkpoint", step=state.step):
-                path = await self.blocking(
-                    checkpoint.write, self.run_dir, state.step, tensors, state
+                # File I/O off the loop (or inline, in inline mode).
+                mode, keep = self.config.loop.compute, self.config.checkpoint.keep
+                path = await blocking_io(
+                    mode, checkpoint.write, self.run_dir, state.step, tensors, state
                 )
-                await self.blocking(checkpoint.prune, self.run_dir, self.config.checkpoint.keep)
+                await blocking_io(mode, checkpoint.prune, self.run_dir, keep)
             self.events.emit("checkpoint_written", state.step, path=str(path))
         except Exception as exc:  # a failed save fails the run: stop it, surface the error
             self.error = self.error or exc

@@ -140,6 +140,10 @@ class Clock:
         self.done = self.step
         self._notify()
 
+    async def changed(self) -> None:
+        """Wait for the next change of step, version or publish."""
+        await self._changed.wait()
+
     def _notify(self) -> None:
         self._changed.set()
         self._changed = anyio.Event()

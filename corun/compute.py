@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 from typing import Any, Generic, Literal, TypeVar, cast
 
 import anyio
+import anyio.to_thread
 import sniffio
 
 T = TypeVar("T")
@@ -169,3 +170,11 @@ async def call_hook(lane: Lane, hook: Callable[..., Any], *args: Any) -> Any:
 
 async def _await(awaitable: Awaitable[T]) -> T:
     return await awaitable
+
+
+async def blocking_io(mode: ComputeMode, fn: Callable[..., T], *args: Any) -> T:
+    """File I/O off the event loop (a worker thread), or inline in inline compute mode,
+    which uses no threads at all (and so also runs under a virtual clock)."""
+    if mode == "inline":
+        return fn(*args)
+    return await anyio.to_thread.run_sync(fn, *args)

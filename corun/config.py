@@ -151,6 +151,24 @@ class LogConfig(Section, frozen=True, forbid_unknown_fields=True, kw_only=True):
     progress: Literal["auto", "rich", "plain", "off"] = "auto"
 
 
+class ServeConfig(Section, frozen=True, forbid_unknown_fields=True, kw_only=True):
+    """``[serve]``: the OpenAI-compatible policy endpoint (corun/serve/), served from the
+    current rollout weights during a run (and by ``corun serve``)."""
+
+    enabled: bool = False
+    # Loopback by default: the endpoint has no TLS, so exposing it is a decision.
+    host: str = "127.0.0.1"
+    port: Annotated[int, msgspec.Meta(ge=0, le=65535)] = 0  # 0: any free port
+    # Required as "Authorization: Bearer <token>" when set; "env:NAME" reads $NAME.
+    token: str = ""
+    # Concurrent requests generated together: up to this many per batch, gathered for
+    # up to batch_wait_ms after the first one arrives.
+    max_batch: PositiveInt = 64
+    batch_wait_ms: Annotated[float, msgspec.Meta(ge=0)] = 2.0
+    # An episode recorded through the endpoint and never finished is dropped after this.
+    episode_ttl_s: PositiveFloat = 600.0
+
+
 class DataConfig(Section, frozen=True, forbid_unknown_fields=True, kw_only=True):
     # A JSONL file of records; empty means the trainer's built-in generator.
     path: str = ""
@@ -171,6 +189,7 @@ class Config(Section, frozen=True, forbid_unknown_fields=True, kw_only=True):
     checkpoint: CheckpointConfig = CheckpointConfig()
     log: LogConfig = LogConfig()
     data: DataConfig = DataConfig()
+    serve: ServeConfig = ServeConfig()
 
     @property
     def run_dir(self) -> Path:

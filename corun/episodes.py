@@ -19,6 +19,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Literal, NamedTuple, Protocol
 
+import anyio
+
 EpisodeStatus = Literal["done", "turn_limit", "token_limit", "failed", "timeout"]
 # Episodes whose environment broke are not trained on: nothing says what they earned.
 UNTRAINABLE: frozenset[EpisodeStatus] = frozenset({"failed", "timeout"})
@@ -57,6 +59,7 @@ class Episode:
     env_wait_s: float = 0.0
     status: EpisodeStatus = "done"
     reason: str = ""  # why it failed or timed out
+    group: str = ""  # the task it belongs to: GRPO compares the episodes of a group
 
     def add_turn(
         self, ids: list[int], logprobs: list[float], versions: list[int], fillers: int,
@@ -82,3 +85,62 @@ class Episode:
     @property
     def length(self) -> int:
         return len(self.prompt_ids) + len(self.ids)
+
+
+class EpisodeInbox:
+    """Episodes from outside the run — a host's own agents (``Session.submit``), or
+    the endpoint's trajectory capture — handed to the trainer's rollouts in complete
+    groups: ``group_size`` episodes of one task (``Episode.group``), compared with
+    each other (GRPO). Groups are handed out in the order they completed.
+
+    ``put`` waits while ``capacity`` episodes are pending, so an agent pool faster than
+    the trainer is slowed down instead of filling memory.
+    """
+
+    def __init__(self, capacity: int = 4096) -> None:
+        self.capacity = capacity
+        self._groups: dict[str, list[Episode]] = {}
+        self._ready: list[str] = []  # groups with enough episodes, oldest first
+        self._pending = 0
+        self._changed = anyio.Event()
+        self.group_size = 1  # set by the trainer that takes from the inbox
+
+    @property
+    def pending(self) -> int:
+        return self._pending
+
+    async def put(self, episode: Episode) -> None:
+        while self._pending >= self.capacity:
+            await self._wait()
+        group = self._groups.setdefault(episode.group, [])
+        group.append(episode)
+        self._pending += 1
+        if len(group) == self.group_size:
+            self._ready.append(episode.group)
+        self._notify()
+
+    async def take(self, groups: int) -> list[Episode]:
+        """``groups`` complete groups, ``group_size`` episodes each, group after group."""
+        while len(self._ready) < groups:
+            await self._wait()
+        episodes = []
+        for key in self._ready[:groups]:
+            group = self._groups[key]
+            episodes += group[: self.group_size]
+            del group[: self.group_size]
+            if not group:
+                del self._groups[key]
+        del self._ready[:groups]
+        # Leftovers of a group beyond its size start the next group of the same task.
+        self._ready += [k for k, g in self._groups.items()
+                        if len(g) >= self.group_size and k not in self._ready]  # fmt: skip
+        self._pending -= len(episodes)
+        self._notify()
+        return episodes
+
+    async def _wait(self) -> None:
+        await self._changed.wait()
+
+    def _notify(self) -> None:
+        self._changed.set()
+        self._changed = anyio.Event()

@@ -20,59 +20,70 @@ from __future__ import annotations
 
 import secrets
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any
 
 import anyio
-import anyio.to_thread
 
 from corun import checkpoint, prerequisites
 from corun.cadence import Cadence
 from corun.checkpointer import Checkpointer
 from corun.clock import Clock, IdleTimes
-from corun.compute import Lane, call_hook
+from corun.compute import Lane, blocking_io, call_hook
 from corun.config import Config
 from corun.config_file import load_config
-from corun.errors import CheckpointError, first_error, is_cancellation
+from corun.errors import CheckpointError, ConfigError, first_error, is_cancellation
 from corun.events import EventLog, Trace
 from corun.producer import Producer
 from corun.registry import resolve_trainer
 from corun.reporting import Reporter
 from corun.rng import seed_everything
+from corun.serve.server import Endpoint
+from corun.session import Session
 from corun.teardown import RunControl, Teardown
 from corun.trainer import Batch, Image, Outcome, SetupContext, Stateful, Trainer, overrides
 from corun.update import Updater
 
-T = TypeVar("T")
-
 
 async def run(
-    trainer: Trainer[Any], config: Config, *, control: RunControl | None = None
-) -> Outcome:
+    trainer: Trainer[Any], config: Config, *, control: RunControl | None = None,
+    session: Session | None = None,
+) -> Outcome:  # fmt: skip
     """Train ``trainer`` to ``config.run.steps`` and tear down, on every path.
 
-    Returns the outcome when the run finishes or is stopped through ``control``;
-    re-raises the first training error, or the host's cancellation, after teardown.
+    Returns the outcome when the run finishes or is stopped through ``control`` (or
+    the embedding ``session``'s); re-raises the first training error, or the host's
+    cancellation, after teardown.
     """
-    control = control or RunControl()
-    resume_from = checkpoint.resume_point(config)
-    restored = await _blocking(config, checkpoint.read, resume_from) if resume_from else None
-    config.run_dir.mkdir(parents=True, exist_ok=True)
-    checkpoint.remove_partial_writes(config.run_dir)
-    return await _Session(trainer, config, control, restored).run()
+    session = session or Session()
+    if control is not None:
+        session.control = control
+    outcome: Outcome | None = None
+    try:
+        resume_from = checkpoint.resume_point(config)
+        restored = None
+        if resume_from is not None:
+            restored = await blocking_io(config.loop.compute, checkpoint.read, resume_from)
+        config.run_dir.mkdir(parents=True, exist_ok=True)
+        checkpoint.remove_partial_writes(config.run_dir)
+        outcome = await _Run(trainer, config, session, restored).run()
+        return outcome
+    finally:
+        session.over(outcome)
 
 
-class _Session:
+class _Run:
     """One run's components; ``run`` is the template, the rest are its named steps."""
 
     def __init__(
-        self, trainer: Trainer[Any], config: Config, control: RunControl,
+        self, trainer: Trainer[Any], config: Config, session: Session,
         restored: tuple[checkpoint.TrainerState, Any] | None,
     ) -> None:  # fmt: skip
         self.trainer = trainer
         self.config = config
-        self.control = control
+        self.session = session
+        self.control = control = session.control
         self.restored = restored
         self.run_dir: Path = config.run_dir
         state = restored[0] if restored else None
@@ -85,6 +96,7 @@ class _Session:
             cursor=state.data_cursor if state else 0,
             trained_ahead=state.trained_ahead if state else [],
         )
+        session.bind(self.clock)
         self.cadence = Cadence.of(config)
         self.events = EventLog(self.run_dir)
         self.trace = Trace(self.run_dir)
@@ -105,7 +117,7 @@ class _Session:
         self.kept: dict[str, Stateful] = {}
         self.checkpointer = Checkpointer(
             config, self.run_id, self.clock, self.events, self.trace, control, self.train_lane,
-            self._state, lambda fn, *args: _blocking(config, fn, *args), resumed=bool(restored),
+            self._state, resumed=bool(restored),
         )  # fmt: skip
         self.updater: Updater | None = None  # for a trainer that supplies a loss
         self.outcome: Outcome | None = None
@@ -114,7 +126,10 @@ class _Session:
 
     async def run(self) -> Outcome:
         failure: BaseException | None = None
-        async with anyio.create_task_group() as background:  # checkpoint writes
+        # Checkpoint writes and the endpoint: outside the root scope, so a stop never
+        # cuts them short; teardown ends them.
+        async with anyio.create_task_group() as background:
+            self.background = background
             self.checkpointer.attach(background)
             try:
                 with anyio.CancelScope() as root:
@@ -155,6 +170,7 @@ class _Session:
         seed_everything(config.run.seed)  # model init draws from the global RNGs
         ctx = SetupContext(config, register=teardown.push)
         ctx.lane = self.train_lane
+        ctx.inbox = self.session.inbox
         with self.trace.span("setup", "trainer"):
             await call_hook(self.train_lane, trainer.setup, ctx)
         self.events.emit("setup", self.clock.step)
@@ -163,9 +179,29 @@ class _Session:
         self.dataset = trainer.dataset()
         if self.restored is not None:
             await self._restore(*self.restored)
+        if config.serve.enabled:
+            await self._serve()
         self.reporter.start_wandb(self.run_id, trainer.wandb_extra())
         teardown.push("checkpoints", self.checkpointer.drain)
         teardown.push("save", self._save_on_interrupt, optional=True)
+        self.session.ready()
+
+    async def _serve(self) -> None:
+        """The policy endpoint, stopped in teardown before the trainer's own resources."""
+        policy = self.trainer.served_policy()
+        if policy is None:
+            kind = self.config.trainer.kind
+            raise ConfigError(f"`$.serve.enabled`: trainer {kind!r} serves no policy")
+        loop = self.config.loop
+        endpoint = Endpoint(
+            policy, self.config.serve, Lane("serve", loop.compute, loop.lane_threads),
+            self.session.inbox,
+        )  # fmt: skip
+        self.teardown.push("endpoint", endpoint.stop)
+        url = await self.background.start(endpoint.run)
+        self.session.endpoint_url = url
+        self.events.emit("endpoint", self.clock.step, url=url)
+        self.reporter.progress.note(f"corun: serving {url}")
 
     def _updater(self, ctx: SetupContext) -> Updater | None:
         """The update protocol around the trainer's loss (unless it owns train_step)."""
@@ -353,11 +389,3 @@ class _Session:
             fields["error"] = f"{type(outcome.error).__name__}: {outcome.error}"
         self.events.emit("end", self.clock.step, **fields)
         self.events.close()
-
-
-async def _blocking(config: Config, fn: Callable[..., T], *args: Any) -> T:
-    """File I/O off the event loop (a worker thread), or inline in inline compute mode,
-    which uses no threads at all (and so also runs under a virtual clock)."""
-    if config.loop.compute == "inline":
-        return fn(*args)
-    return await anyio.to_thread.run_sync(fn, *args)

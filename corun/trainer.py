@@ -32,7 +32,9 @@ from corun.compute import Lane
 from corun.config import Config as CorunConfig
 from corun.config import TrainerConfig
 from corun.data import Dataset, IndexData
+from corun.episodes import EpisodeInbox
 from corun.events import Trace
+from corun.serve.api import ServedPolicy
 
 Metrics = Mapping[str, "float | Image"]  # numbers, and images such as sample grids
 C = TypeVar("C", bound=TrainerConfig)
@@ -193,6 +195,10 @@ class SetupContext:
         # that waits on environments: RolloutContext(..., lane=ctx.lane)); None
         # outside a run (inline).
         self.lane: Lane | None = None
+        # Episodes submitted from outside the run (a host's agents, the endpoint's
+        # capture) when the run has a source of them: an embedded session, or
+        # [serve] enabled; a trainer that trains on them takes from it.
+        self.inbox: EpisodeInbox | None = None
 
     def add_optimizer(
         self, optimizer: torch.optim.Optimizer, *, grad_clip: float = 0.0,
@@ -272,6 +278,11 @@ class Trainer(Generic[C]):
 
     def sync_weights(self, version: int) -> Awaitable[None] | None:
         """Publish the trained weights (policy ``version``) to the rollout engine."""
+
+    def served_policy(self) -> ServedPolicy | None:
+        """The policy behind the endpoint (``[serve] enabled``): tokenization, the reply
+        format and batched generation from the rollout side's newest weights."""
+        return None
 
     # ---- evaluation
     def evaluate(self) -> Metrics | Awaitable[Metrics]:

@@ -78,7 +78,8 @@ class Replicas(Generic[R]):
         self._home_thread = threading.get_ident()
         self._build = build
         self._load = load
-        self._shared = loop.concurrency > 1
+        # Other threads read the weights: rollout workers, or the policy endpoint.
+        self._shared = loop.concurrency > 1 or ctx.config.serve.enabled
         fixed = loop.version_schedule == "fixed"
         # Versions a scheduled rollout may still ask for: at most the staleness bound
         # behind the newest (published versions are at least one apart).

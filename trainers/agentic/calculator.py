@@ -101,7 +101,7 @@ def demonstration(problem: Problem) -> list[tuple[str, str]]:
 
 # ----------------------------------------------------------------------------- the tool
 
-_CALL = re.compile(r"\((\d{1,4})\+(\d{1,4})\)")
+CALL = re.compile(r"\((\d{1,4})\+(\d{1,4})\)")  # a well-formed tool call
 
 
 def answer_reward(answer: str, response: str) -> float:
@@ -143,7 +143,7 @@ class CalculatorEnv:
         if not reply.startswith("("):
             return Step("", answer_reward(self.problem.answer, reply), done=True)
         await self._wait()
-        call = _CALL.fullmatch(reply)
+        call = CALL.fullmatch(reply)
         if call is None:
             return Step("!", tool_call=True, tool_error=True)
         return Step(f"={int(call[1]) + int(call[2])}", tool_call=True)

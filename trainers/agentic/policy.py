@@ -79,23 +79,27 @@ async def evaluate_agent(
     return {f"eval/{k}": v for k, v in metrics.items()}
 
 
-def episode_metrics(episodes: list[Episode], problems: Sequence[Problem]) -> dict[str, float]:
-    """Mean reward and success (the exact answer), turns, tool calls; counts of tool
-    errors and of episodes whose environment failed."""
+def episode_metrics(
+    episodes: list[Episode], problems: Sequence[Problem] | None
+) -> dict[str, float]:
+    """Mean reward and success (the exact answer, when the problems are known), turns,
+    tool calls; counts of tool errors and of episodes whose environment failed."""
     finished = [e for e in episodes if e.trainable]
     answers = [calculator.decode(_last_reply(e)) for e in episodes]
-    return {
+    metrics = {
         "reward_mean": statistics.fmean(e.reward for e in episodes),
         "reward_std": statistics.pstdev([e.reward for e in episodes]),
-        "success": statistics.fmean(
-            float(e.status == "done" and a == p.answer)
-            for e, a, p in zip(episodes, answers, problems, strict=True)
-        ),
         "turns_mean": statistics.fmean(e.turns for e in episodes),
         "tool_calls_mean": statistics.fmean(e.tool_calls for e in episodes),
         "tool_errors": float(sum(e.tool_errors for e in episodes)),
         "env_failures": float(len(episodes) - len(finished)),
     }
+    if problems is not None:
+        metrics["success"] = statistics.fmean(
+            float(e.status == "done" and a == p.answer)
+            for e, a, p in zip(episodes, answers, problems, strict=True)
+        )
+    return metrics
 
 
 def _last_reply(episode: Episode) -> list[int]:

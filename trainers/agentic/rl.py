@@ -21,7 +21,7 @@ from typing import Any, Literal
 import torch
 from torch import Tensor
 
-from corun import Batch, RolloutContext, SetupContext
+from corun import Batch, ConfigError, RolloutContext, SetupContext
 from corun.episodes import Environment, Episode
 from trainers.agentic import calculator
 from trainers.agentic.calculator import EnvSettings, Problem, Problems
@@ -33,6 +33,7 @@ from trainers.agentic.policy import (
     run_agent,
 )
 from trainers.agentic.runner import Generated
+from trainers.agentic.serving import CalculatorPolicy
 from trainers.lm.engine import LocalEngine, Rollouts
 from trainers.lm.grpo import GRPOAlgorithm, GRPOConfig
 from trainers.lm.model import TinyLM
@@ -41,11 +42,16 @@ from trainers.lm.policy_gradient import PolicyGradientTrainer, Scored
 from trainers.lm.ppo import PPOAlgorithm, PPOConfig
 from trainers.lm.settings import PositiveInt
 
+# Where episodes come from: the trainer's own environments, or submitted from outside
+# (a host's agents through corun.training's session, or the endpoint's capture).
+Source = Literal["environments", "submitted"]
+
 
 class AgenticConfig(GRPOConfig, frozen=True, forbid_unknown_fields=True, kw_only=True):
     task: Literal["calculator"] = "calculator"  # type: ignore[assignment]
     env: EnvSettings = EnvSettings()  # [trainer.env]: tool latency, limits
     eval_size: PositiveInt = 256  # held-out problems per evaluation
+    episodes: Source = "environments"
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -57,6 +63,7 @@ class AgenticPPOConfig(PPOConfig, frozen=True, forbid_unknown_fields=True, kw_on
     task: Literal["calculator"] = "calculator"  # type: ignore[assignment]
     env: EnvSettings = EnvSettings()  # [trainer.env]: tool latency, limits
     eval_size: PositiveInt = 256  # held-out problems per evaluation
+    episodes: Source = "environments"
 
 
 class AgenticEpisodes(PolicyGradientTrainer[Any]):
@@ -65,6 +72,18 @@ class AgenticEpisodes(PolicyGradientTrainer[Any]):
     def setup(self, ctx: SetupContext) -> None:
         super().setup(ctx)
         self.train_lane = ctx.lane
+        self.inbox = ctx.inbox
+        if self.config.episodes == "submitted":
+            if self.inbox is None:
+                raise ConfigError(
+                    '`$.trainer.episodes` = "submitted": nothing submits episodes to this run; '
+                    "embed it (corun.training) or set serve.enabled = true"
+                )
+            self.inbox.group_size = self.config.samples_per_prompt
+
+    def served_policy(self) -> CalculatorPolicy:
+        max_len = self.policy.config.max_len
+        return CalculatorPolicy(self.run_config.run.name, max_len, lambda: self.replicas.local()[0])
 
     def initial_policy(self) -> TinyLM:
         cfg = self.config
@@ -83,12 +102,17 @@ class AgenticEpisodes(PolicyGradientTrainer[Any]):
     # ---- rollout
     async def rollout(self, problems: list[Problem], ctx: RolloutContext) -> Batch:
         cfg, n = self.config, self.config.samples_per_prompt
-        tasks = [problem for problem in problems for _ in range(n)]
-        envs = [self.make_env(ctx.index, row, cfg.env) for row in range(len(tasks))]
-        episodes = await run_agent(ctx, envs, tasks, self._sampler(ctx), cfg.env, self.policy)
+        tasks: list[Problem] | None = None
+        if self.inbox is not None and cfg.episodes == "submitted":
+            episodes = await self.inbox.take(len(problems))
+        else:
+            tasks = [problem for problem in problems for _ in range(n)]
+            envs = [self.make_env(ctx.index, row, cfg.env) for row in range(len(tasks))]
+            episodes = await run_agent(ctx, envs, tasks, self._sampler(ctx), cfg.env, self.policy)
         rollouts = to_rollouts(episodes, ctx.version or 0)
         rewards = torch.tensor([e.reward for e in episodes])
-        scored = Scored(rollouts, [p.prompt for p in tasks], _fill_failed(rewards, episodes, n))
+        prompts = [calculator.decode(e.prompt_ids) for e in episodes]
+        scored = Scored(rollouts, prompts, _fill_failed(rewards, episodes, n))
         metrics = {f"rollout/{k}": v for k, v in episode_metrics(episodes, tasks).items()}
         metrics["perf/env_wait_time_s"] = sum(e.env_wait_s for e in episodes)
         return Batch(self.training_data(scored), metrics, version=rollouts.version)
@@ -124,6 +148,9 @@ def to_rollouts(episodes: list[Episode], version: int) -> Rollouts:
     """Episodes as one batch of token rows: the prompt, then everything after it (policy
     tokens trained; observations, fillers and untrainable episodes masked out)."""
     width = max(len(e.ids) for e in episodes)
+    if len({len(e.prompt_ids) for e in episodes}) > 1:
+        # Left padding would move every token's position: not the context it was sampled in.
+        raise ValueError("the episodes of a batch need prompts of one length")
 
     def rows(values: Any, fill: Any, dtype: torch.dtype) -> Tensor:
         return torch.tensor([[*v, *[fill] * (width - len(v))] for v in values], dtype=dtype)

@@ -1,0 +1,37 @@
+"""``corun.training(config)``: a run inside the caller's task group (corun/session.py
+says what the host gets and what leaving the block does)."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from typing import Any
+
+import anyio
+
+from corun.config import Config
+from corun.loop import run
+from corun.registry import resolve_trainer
+from corun.session import Session
+from corun.trainer import Trainer
+
+
+@asynccontextmanager
+async def training(config: Config, trainer: Trainer[Any] | None = None) -> AsyncIterator[Session]:
+    """Train ``config`` (or ``trainer``) in the caller's task group; see the module doc."""
+    session = Session()
+    trainer = trainer if trainer is not None else resolve_trainer(config.trainer.kind)(config)
+    async with anyio.create_task_group() as tasks:
+
+        async def train() -> None:
+            try:
+                await run(trainer, config, session=session)
+            finally:
+                session._ready.set()
+
+        tasks.start_soon(train)
+        await session._ready.wait()
+        try:
+            yield session
+        finally:
+            session.stop()

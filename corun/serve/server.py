@@ -1,0 +1,103 @@
+"""The endpoint as a task with a lifetime: started in a task group of the run (or of
+``corun serve``), stopped by a teardown step, before the engine it generates with.
+
+The listening socket is bound here (so port 0 gets a free port and the URL is known
+before the first request) and handed to hypercorn. ``stop`` is graceful: the server
+stops accepting, in-flight requests get their complete responses (for up to
+``GRACE_S``), then open connections are closed; the batcher serves until then.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+
+import anyio
+import anyio.abc
+import sniffio
+from hypercorn.config import Config as HypercornConfig
+
+from corun.compute import Lane
+from corun.config import ServeConfig
+from corun.episodes import EpisodeInbox
+from corun.errors import ConfigError
+from corun.serve.api import ServedPolicy
+from corun.serve.app import build_app
+from corun.serve.batching import Batcher
+from corun.serve.capture import Recorder
+
+GRACE_S = 5.0
+
+
+def bearer_token(config: ServeConfig) -> str:
+    """``serve.token``, or the environment variable it names (``env:NAME``)."""
+    if not config.token.startswith("env:"):
+        return config.token
+    name = config.token.removeprefix("env:")
+    value = os.environ.get(name)
+    if not value:
+        raise ConfigError(f"serve.token = {config.token!r}: ${name} is not set")
+    return value
+
+
+class Endpoint:
+    def __init__(
+        self, policy: ServedPolicy, config: ServeConfig, lane: Lane,
+        inbox: EpisodeInbox | None = None,
+    ) -> None:  # fmt: skip
+        self.config = config
+        self.lane = lane
+        self.batcher = Batcher(policy, lane, config.max_batch, config.batch_wait_ms / 1000)
+        self.recorder = Recorder(policy, inbox, config.episode_ttl_s)
+        self.app = build_app(policy, self.batcher, self.recorder, bearer_token(config))
+        self.url = ""
+        self._stop = anyio.Event()
+        self._stopped = anyio.Event()
+
+    async def run(
+        self, *, task_status: anyio.abc.TaskStatus[str] = anyio.TASK_STATUS_IGNORED
+    ) -> None:
+        """Serve until :meth:`stop`; reports the URL once listening."""
+        try:
+            listener = socket.create_server((self.config.host, self.config.port), backlog=1024)
+        except OSError as exc:
+            raise ConfigError(
+                f"serve: cannot listen on {self.config.host}:{self.config.port} ({exc.strerror})"
+            ) from None
+        with listener:
+            host, port = listener.getsockname()[:2]
+            self.url = f"http://{host}:{port}"
+            hypercorn = HypercornConfig()
+            # hypercorn takes (and closes) the descriptor it is given: give it a copy.
+            hypercorn.bind = [f"fd://{os.dup(listener.fileno())}"]
+            hypercorn.graceful_timeout = GRACE_S
+            hypercorn.accesslog = None
+            hypercorn.errorlog = logging.getLogger("corun.serve")
+            try:
+                async with anyio.create_task_group() as tasks:
+                    tasks.start_soon(self.batcher.run)
+                    task_status.started(self.url)
+                    await _serve(self.app, hypercorn, self._stop.wait)
+                    tasks.cancel_scope.cancel()
+            finally:
+                self._stopped.set()
+
+    async def stop(self) -> None:
+        """Stop gracefully and wait until stopped (a teardown step)."""
+        self._stop.set()
+        await self._stopped.wait()
+        self.lane.close()
+
+
+async def _serve(app: object, config: HypercornConfig, shutdown: object) -> None:
+    # hypercorn's serve for the running event loop; with a shutdown trigger it installs
+    # no signal handlers of its own (the host's, or corun's CLI, own the signals).
+    if sniffio.current_async_library() == "trio":
+        from hypercorn.trio import serve as trio_serve
+
+        await trio_serve(app, config, shutdown_trigger=shutdown)  # type: ignore[arg-type]
+    else:
+        from hypercorn.asyncio import serve as asyncio_serve
+
+        await asyncio_serve(app, config, shutdown_trigger=shutdown)  # type: ignore[arg-type]
