@@ -1,4 +1,9 @@
-"""``corun train|validate``: the only place that owns argv, signals and exit codes.
+"""``corun train|serve|validate``: the only place that owns argv, signals and exit codes.
+
+``corun serve`` serves the OpenAI-compatible endpoint for a config's policy — its run's
+latest checkpoint, or its initial weights — without training, and prints
+``corun: serving <url>`` as its first line on stdout. Its records go to
+``<run dir>/serve/``; it stops on a signal like a run does.
 
 Exit status: 0 done, 1 training error, 2 usage or config error (one line, no
 traceback), 130 after SIGINT, 143 after SIGTERM.
@@ -21,14 +26,16 @@ import traceback
 from typing import Any, NoReturn
 
 import anyio
+import msgspec
 
-from corun import procs
+from corun import checkpoint, procs
 from corun.config import Config, to_toml
 from corun.config_file import load_config
 from corun.errors import UsageError
 from corun.events import EVENTS_FILE, EventLog
 from corun.loop import run
 from corun.registry import resolve_trainer
+from corun.session import Session
 from corun.teardown import RunControl
 from corun.trainer import Outcome, Trainer
 
@@ -47,6 +54,7 @@ def _parser() -> argparse.ArgumentParser:
     commands = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
     for name, text in (
         ("train", "train from a TOML config"),
+        ("serve", "serve the config's policy on the OpenAI-compatible endpoint, no training"),
         ("validate", "print the resolved config (after overrides) and exit"),
     ):
         sub = commands.add_parser(name, help=text, description=text)
@@ -64,8 +72,11 @@ def main(argv: list[str] | None = None) -> int:
         if args.command == "validate":
             print(to_toml(config), end="")
             return EXIT_OK
+        serve_only = args.command == "serve"
+        if serve_only:
+            config = _serve_config(config)
         trainer = resolve_trainer(config.trainer.kind)(config)
-        return anyio.run(_train, trainer, config, backend=config.run.backend)
+        return anyio.run(_train, trainer, config, serve_only, backend=config.run.backend)
     except UsageError as exc:
         print(f"corun: error: {exc}", file=sys.stderr)
         return EXIT_USAGE
@@ -77,12 +88,28 @@ def _terminate_before_run(signum: int, frame: object) -> None:
     raise SystemExit(_SIGNAL_EXIT["SIGTERM"])
 
 
-async def _train(trainer: Trainer[Any], config: Config) -> int:
-    control = RunControl()
+def _serve_config(config: Config) -> Config:
+    """``corun serve``'s config: the endpoint on, the run's latest checkpoint (if any)
+    restored, records in ``<run dir>/serve``."""
+    latest = checkpoint.latest(config.run_dir)
+    replace = msgspec.structs.replace
+    return replace(
+        config,
+        run=replace(config.run, dir=str(config.run_dir / "serve")),
+        checkpoint=replace(config.checkpoint, resume=str(latest) if latest else False),
+        serve=replace(config.serve, enabled=True),
+        log=replace(config.log, progress="off"),  # no steps to show
+    )
+
+
+async def _train(trainer: Trainer[Any], config: Config, serve_only: bool = False) -> int:
+    session = Session(serve_only=serve_only)
     async with anyio.create_task_group() as tg:
-        tg.start_soon(_watch_signals, control, config)
+        tg.start_soon(_watch_signals, session.control, config)
+        if serve_only:
+            tg.start_soon(_announce, session)
         try:
-            outcome = await run(trainer, config, control=control)
+            outcome = await run(trainer, config, session=session)
             code = _exit_code(outcome)
         except UsageError as exc:
             print(f"corun: error: {exc}", file=sys.stderr)
@@ -93,6 +120,12 @@ async def _train(trainer: Trainer[Any], config: Config) -> int:
         finally:
             tg.cancel_scope.cancel()
     return code
+
+
+async def _announce(session: Session) -> None:
+    await session.wait_ready()
+    if session.endpoint_url:
+        print(f"corun: serving {session.endpoint_url}", flush=True)
 
 
 def _exit_code(outcome: Outcome) -> int:

@@ -30,7 +30,7 @@ async def training(config: Config, trainer: Trainer[Any] | None = None) -> Async
                 session._ready.set()
 
         tasks.start_soon(train)
-        await session._ready.wait()
+        await session.wait_ready()
         try:
             yield session
         finally:

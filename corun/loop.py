@@ -135,6 +135,13 @@ class _Run:
                 with anyio.CancelScope() as root:
                     self.control.bind(root)
                     await self._setup()
+                    if self.restored is not None:
+                        await self._sync(forced=True)  # the engine booted with fresh weights
+                    if self.config.serve.enabled or self.session.serve_only:
+                        await self._serve()
+                    self.session.ready()
+                    if self.session.serve_only:
+                        await anyio.sleep_forever()  # `corun serve`: until stopped
                     await self._baseline_eval()
                     await self._train_steps()
             except BaseException as exc:  # a training error, or the host's cancellation
@@ -179,12 +186,9 @@ class _Run:
         self.dataset = trainer.dataset()
         if self.restored is not None:
             await self._restore(*self.restored)
-        if config.serve.enabled:
-            await self._serve()
         self.reporter.start_wandb(self.run_id, trainer.wandb_extra())
         teardown.push("checkpoints", self.checkpointer.drain)
         teardown.push("save", self._save_on_interrupt, optional=True)
-        self.session.ready()
 
     async def _serve(self) -> None:
         """The policy endpoint, stopped in teardown before the trainer's own resources."""
@@ -197,8 +201,8 @@ class _Run:
             policy, self.config.serve, Lane("serve", loop.compute, loop.lane_threads),
             self.session.inbox,
         )  # fmt: skip
-        self.teardown.push("endpoint", endpoint.stop)
         url = await self.background.start(endpoint.run)
+        self.teardown.push("endpoint", endpoint.stop)
         self.session.endpoint_url = url
         self.events.emit("endpoint", self.clock.step, url=url)
         self.reporter.progress.note(f"corun: serving {url}")
@@ -258,8 +262,6 @@ class _Run:
                 "raise run.steps to continue, or set run.dir to start a new run"
             )
             return
-        if self.restored is not None:
-            await self._sync(forced=True)  # the engine booted with fresh weights
         loop = self.config.loop
         send, receive = anyio.create_memory_object_stream[Batch](loop.concurrency)
         async with anyio.create_task_group() as producers:

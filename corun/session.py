@@ -29,7 +29,9 @@ from corun.trainer import Outcome
 class Session:
     """A host's handle on a run it embeds."""
 
-    def __init__(self) -> None:
+    def __init__(self, *, serve_only: bool = False) -> None:
+        # `corun serve`: set up, restore, serve the endpoint until stopped; no training.
+        self.serve_only = serve_only
         self.control = RunControl()
         self.inbox = EpisodeInbox()
         self.endpoint_url: str | None = None
@@ -51,6 +53,10 @@ class Session:
         self._over.set()
 
     # ---- what the host uses
+    async def wait_ready(self) -> None:
+        """Wait until set up (the endpoint listening), or the run is over."""
+        await self._ready.wait()
+
     @property
     def version(self) -> int:
         """The policy version trained so far."""
