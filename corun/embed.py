@@ -31,7 +31,7 @@ async def training(config: Config, trainer: Trainer[Any] | None = None) -> Async
 
         tasks.start_soon(train)
         await session.wait_ready()
-        try:
-            yield session
-        finally:
-            session.stop()
+        # Leaving the block stops the run, as an interrupt would; an error or a
+        # cancellation of the host instead cancels it, through the task group.
+        yield session
+        session.stop()

@@ -74,12 +74,16 @@ class Endpoint:
             hypercorn.graceful_timeout = GRACE_S
             hypercorn.accesslog = None
             hypercorn.errorlog = logging.getLogger("corun.serve")
+            # Shielded: the server ends through stop() (a teardown step), gracefully, even
+            # when a host's cancellation tears the run down; hypercorn's own shutdown is
+            # bounded by its graceful_timeout.
             try:
-                async with anyio.create_task_group() as tasks:
-                    tasks.start_soon(self.batcher.run)
-                    task_status.started(self.url)
-                    await _serve(self.app, hypercorn, self._stop.wait)
-                    tasks.cancel_scope.cancel()
+                with anyio.CancelScope(shield=True):
+                    async with anyio.create_task_group() as tasks:
+                        tasks.start_soon(self.batcher.run)
+                        task_status.started(self.url)
+                        await _serve(self.app, hypercorn, self._stop.wait)
+                        tasks.cancel_scope.cancel()
             finally:
                 self._stopped.set()
 
