@@ -20,7 +20,7 @@ import pytest
 import tomli_w
 
 from corun import checkpoint
-from tests.fakes import TEARDOWN_ORDER
+from tests.fakes import DOCUMENTED_ORDER, TEARDOWN_ORDER
 
 REPO = Path(__file__).resolve().parents[1]
 WAIT_S = 60.0  # deadline for a phase marker or an event to appear
@@ -64,6 +64,10 @@ class CorunRun:
     _files: list[Any] = field(default_factory=list)
 
     # -- what it wrote
+    def stdout(self) -> str:
+        path = self.tmp / "stdout.txt"
+        return path.read_text(errors="replace") if path.exists() else ""
+
     def stderr(self) -> str:
         path = self.tmp / "stderr.txt"
         return path.read_text(errors="replace") if path.exists() else ""
@@ -127,6 +131,7 @@ def start_corun(tmp_path: Path) -> Iterator[Callable[..., CorunRun]]:
     def start(
         trainer: dict[str, Any],
         overrides: tuple[str, ...] = (),
+        command: str = "train",
         **tables: dict[str, Any],
     ) -> CorunRun:
         run_dir = tmp_path / "run"
@@ -151,7 +156,7 @@ def start_corun(tmp_path: Path) -> Iterator[Callable[..., CorunRun]]:
         stdout = open(tmp_path / "stdout.txt", "wb")
         stderr = open(tmp_path / "stderr.txt", "wb")
         proc = subprocess.Popen(
-            [*_corun_command(), "train", str(cfg), *overrides],
+            [*_corun_command(), command, str(cfg), *overrides],
             cwd=tmp_path,
             env=env,
             stdin=subprocess.DEVNULL,
@@ -184,10 +189,10 @@ def start_corun(tmp_path: Path) -> Iterator[Callable[..., CorunRun]]:
 def assert_teardown_order(names: list[str], *, complete: bool) -> None:
     teardown = [n for n in names if n.startswith("teardown:")]
     assert len(teardown) == len(set(teardown)), f"a teardown step ran twice: {teardown}"
-    unknown = [n for n in teardown if n not in TEARDOWN_ORDER]
+    unknown = [n for n in teardown if n not in DOCUMENTED_ORDER]
     assert not unknown, f"unexpected teardown steps {unknown}"
-    expected = [n for n in TEARDOWN_ORDER if n in teardown]
-    assert teardown == expected, f"teardown order {teardown}, documented {TEARDOWN_ORDER}"
+    expected = [n for n in DOCUMENTED_ORDER if n in teardown]
+    assert teardown == expected, f"teardown order {teardown}, documented {DOCUMENTED_ORDER}"
     required = TEARDOWN_ORDER if complete else ALWAYS
     missing = [n for n in required if n not in teardown]
     assert not missing, f"teardown steps missing: {missing} (ran {teardown})"

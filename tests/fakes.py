@@ -33,8 +33,9 @@ class FakeConfig(corun.TrainerConfig, frozen=True, forbid_unknown_fields=True, k
     teardown_fails: bool = False  # the weight-sync teardown step raises
 
 
-# The documented teardown order (DESIGN.md), for a trainer that registers an engine
-# and then a weight-sync channel, as FakeTrainer does.
+# The documented teardown order (README), for a trainer that registers an engine and
+# then a weight-sync channel, as FakeTrainer does; with [serve] enabled the endpoint
+# stops right after the producers (DOCUMENTED_ORDER).
 TEARDOWN_ORDER = [
     "teardown:stop",
     "teardown:save",
@@ -44,6 +45,7 @@ TEARDOWN_ORDER = [
     "teardown:logging",
     "teardown:on_train_end",
 ]
+DOCUMENTED_ORDER = [TEARDOWN_ORDER[0], "teardown:endpoint", *TEARDOWN_ORDER[1:]]
 
 
 class FakeError(RuntimeError):
