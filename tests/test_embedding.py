@@ -10,8 +10,8 @@ from __future__ import annotations
 import math
 import signal
 import threading
+from functools import partial
 from pathlib import Path
-from typing import Any
 
 import anyio
 import httpx
@@ -23,7 +23,7 @@ from corun.events import read_records
 from tests.conftest import make_config
 from tests.fakes import TEARDOWN_ORDER
 from tests.test_agentic import REPO, TINY
-from trainers.agentic.calculator import Problem, Problems
+from trainers.agentic.client import practice
 from trainers.agentic.sft import AgenticSFTTrainer
 
 pytestmark = pytest.mark.anyio
@@ -82,48 +82,6 @@ async def test_leaving_the_block_stops_the_run(tmp_path: Path, anyio_backend: st
 # ----------------------------------------------------------------------------- agents
 
 
-async def run_agent(http: httpx.AsyncClient, a: int, b: int, episode: str, group: str) -> float:
-    """One tool-using episode through the endpoint: ask, call the calculator when the
-    policy asks for it, answer; report the reward. Returns it."""
-    messages: list[dict[str, Any]] = [{"role": "user", "content": f"{a}+{b}="}]
-    tools = [{"type": "function", "function": {"name": "calculator"}}]
-    reward = 0.0
-    for _ in range(3):
-        body = {"model": "agentic", "messages": messages, "tools": tools, "max_tokens": 10,
-                "temperature": 0.5, "episode_id": episode, "group": group}  # fmt: skip
-        message = (await http.post("/v1/chat/completions", json=body)).json()["choices"][0][
-            "message"
-        ]
-        messages.append(message)
-        if not message.get("tool_calls"):
-            answer = message["content"] or ""
-            reward = 1.0 if answer == str(a + b) else 0.0
-            break
-        expression = message["tool_calls"][0]["function"]["arguments"]
-        x, y = (int(v) for v in expression.split('"')[3].split("+"))
-        messages.append({"role": "tool", "tool_call_id": "c", "content": f"={x + y}"})
-    await http.post(f"/v1/episodes/{episode}/reward", json={"reward": reward})
-    return reward
-
-
-async def agent_pool(url: str, problems_per_round: int, group: int) -> None:
-    """Forever: a round of problems, ``group`` episodes of each, all at once."""
-    async with httpx.AsyncClient(base_url=url, timeout=60) as http:
-        for round_index in range(10**6):
-            problems = Problems(problems_per_round, seed=99).batch(round_index)
-
-            async def episode(problem: Problem, name: str, k: int) -> None:
-                try:
-                    await run_agent(http, problem.a, problem.b, f"{name}-{k}", name)
-                except httpx.HTTPError:  # the endpoint stopped under this episode
-                    pass
-
-            async with anyio.create_task_group() as episodes:
-                for i, problem in enumerate(problems):
-                    for k in range(group):
-                        episodes.start_soon(episode, problem, f"{round_index}-{i}", k)
-
-
 @pytest.mark.parametrize("anyio_backend", ["asyncio"])  # learning is no backend's business
 async def test_host_agents_train_the_tool_task_through_the_endpoint(
     tmp_path: Path, anyio_backend: str
@@ -138,14 +96,15 @@ async def test_host_agents_train_the_tool_task_through_the_endpoint(
     config = corun.load_config(REPO / "configs/agentic.toml", [
         f"run.dir={tmp_path / 'rl'}", f"trainer.init_from={warm}", "run.steps=30",
         "loop.eval_interval=30", "log.progress=off", "trainer.episodes=submitted",
-        "serve.enabled=true", "run.name=agentic",
+        "serve.enabled=true", "run.name=agentic", "loop.max_staleness=1",
+        "trainer.off_policy_correction=decoupled",
     ])  # fmt: skip
     with anyio.fail_after(300):
         await corun.run(AgenticSFTTrainer(sft), sft)
         async with anyio.create_task_group() as agents:
             async with corun.training(config) as session:
                 assert session.endpoint_url is not None
-                agents.start_soon(agent_pool, session.endpoint_url, 8, 8)
+                agents.start_soon(partial(practice, session.endpoint_url, model="agentic"))
                 await session.finished()
             agents.cancel_scope.cancel()
     evals = [r for r in read_records(tmp_path / "rl" / "metrics.jsonl") if "eval/success" in r]

@@ -80,6 +80,9 @@ class AgenticEpisodes(PolicyGradientTrainer[Any]):
                     "embed it (corun.training) or set serve.enabled = true"
                 )
             self.inbox.group_size = self.config.samples_per_prompt
+            # Two steps' worth in waiting: a faster agent pool waits (backpressure) rather
+            # than piling up episodes that would be stale by the time they are trained.
+            self.inbox.capacity = 2 * self.run_config.data.batch_size * self.inbox.group_size
 
     def served_policy(self) -> CalculatorPolicy:
         max_len = self.policy.config.max_len

@@ -1,0 +1,100 @@
+"""The policy endpoint's throughput: completion tokens per second with 1, 8 and 32
+agents calling at once, against one agent at a time, measured side by side in this
+process (the calculator policy, TinyLM d_model 128, 10-token replies at temperature 1,
+batching window 2 ms). Run from the repository root::
+
+    python -m benchmarks.endpoint            # about a minute
+    python -m benchmarks.endpoint --quick
+
+Nothing is asserted: timings belong in benchmarks. Measure on a quiet machine.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import time
+
+import anyio
+import httpx
+import torch
+
+from corun.compute import Lane
+from corun.config import ServeConfig
+from corun.serve.api import Sampling
+from corun.serve.server import Endpoint
+from trainers.agentic import calculator
+from trainers.agentic.policy import build_agent
+from trainers.agentic.serving import CalculatorPolicy
+from trainers.lm.engine import LocalEngine
+
+BODY = {"model": "bench", "messages": [{"role": "user", "content": "123+456="}],
+        "max_tokens": 10, "temperature": 1.0}  # fmt: skip
+
+
+class Shape:
+    d_model, n_layers, n_heads = 128, 2, 4
+
+
+async def tokens_per_s(url: str, agents: int, requests: int) -> float:
+    """``agents`` clients, each sending ``requests`` chats one after another."""
+    tokens = 0
+    async with httpx.AsyncClient(base_url=url, timeout=60) as http:
+
+        async def agent() -> None:
+            nonlocal tokens
+            for _ in range(requests):
+                reply = (await http.post("/v1/chat/completions", json=BODY)).json()
+                tokens += reply["usage"]["completion_tokens"]
+
+        started = time.perf_counter()
+        async with anyio.create_task_group() as pool:
+            for _ in range(agents):
+                pool.start_soon(agent)
+        return tokens / (time.perf_counter() - started)
+
+
+def raw_tokens_per_s(policy: CalculatorPolicy, rows: int, repeats: int = 5) -> float:
+    """The same generation without HTTP: ``rows`` prompts in one call."""
+    prompts = [calculator.encode("123+456=")] * rows
+    sampling = Sampling(10, 1.0, 1.0)
+    started, tokens = time.perf_counter(), 0
+    for _ in range(repeats):
+        done = policy.generate(prompts, sampling, torch.Generator().manual_seed(0))
+        tokens += sum(len(c.ids) for c in done)
+    return tokens / (time.perf_counter() - started)
+
+
+async def main(quick: bool, wait_ms: float) -> None:
+    torch.manual_seed(0)
+    engine = LocalEngine(build_agent(Shape()))
+    policy = CalculatorPolicy("bench", calculator.MAX_LEN, lambda: engine)
+    endpoint = Endpoint(
+        policy, ServeConfig(enabled=True, batch_wait_ms=wait_ms), Lane("serve", torch_threads=2)
+    )
+    total = 64 if quick else 256  # requests per measurement, whatever the concurrency
+    async with anyio.create_task_group() as tasks:
+        await tasks.start(endpoint.run)
+        await tokens_per_s(endpoint.url, 8, 4)  # warm up
+        print(f"endpoint tokens/s ({os.cpu_count()} CPUs, {total} requests each, batching "
+              f"window {wait_ms:g} ms)")  # fmt: skip
+        print(f"{'agents':>7} {'tokens/s':>9} {'vs one at a time':>17} {'batches':>8}")
+        base = 0.0
+        for agents in (1, 8, 32):
+            before = endpoint.batcher.batches
+            rate = await tokens_per_s(endpoint.url, agents, total // agents)
+            base = base or rate
+            print(f"{agents:7d} {rate:9.0f} {rate / base:16.1f}x "
+                  f"{endpoint.batcher.batches - before:8d}", flush=True)  # fmt: skip
+        await endpoint.stop()
+    print("without HTTP, one generate call:", ", ".join(
+        f"{rows} prompts {raw_tokens_per_s(policy, rows):.0f} tokens/s" for rows in (1, 8, 32)
+    ))  # fmt: skip
+
+
+if __name__ == "__main__":
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true")
+    parser.add_argument("--wait-ms", type=float, default=2.0, help="serve.batch_wait_ms")
+    args = parser.parse_args()
+    anyio.run(main, args.quick, args.wait_ms)
