@@ -26,7 +26,7 @@ from typing import Any
 
 import anyio
 
-from corun import checkpoint, prerequisites
+from corun import checkpoint, guest, prerequisites
 from corun.cadence import Cadence
 from corun.checkpointer import Checkpointer
 from corun.clock import Clock, IdleTimes
@@ -61,13 +61,14 @@ async def run(
         session.control = control
     outcome: Outcome | None = None
     try:
-        resume_from = checkpoint.resume_point(config)
-        restored = None
-        if resume_from is not None:
-            restored = await blocking_io(config.loop.compute, checkpoint.read, resume_from)
-        config.run_dir.mkdir(parents=True, exist_ok=True)
-        checkpoint.remove_partial_writes(config.run_dir)
-        outcome = await _Run(trainer, config, session, restored).run()
+        with guest.running():  # the host's loop gets the GIL within ~1 ms (corun/guest.py)
+            resume_from = checkpoint.resume_point(config)
+            restored = None
+            if resume_from is not None:
+                restored = await blocking_io(config.loop.compute, checkpoint.read, resume_from)
+            config.run_dir.mkdir(parents=True, exist_ok=True)
+            checkpoint.remove_partial_writes(config.run_dir)
+            outcome = await _Run(trainer, config, session, restored).run()
         return outcome
     finally:
         session.over(outcome)
@@ -174,11 +175,14 @@ class _Run:
             await self._prerequisite(Path(prerequisite))
         self.reporter.start()
         teardown.push("logging", self.reporter.close)
-        seed_everything(config.run.seed)  # model init draws from the global RNGs
+        # Model init draws from the global RNGs. Seeded on the lane: the first seeding
+        # imports numpy.random and reads source files (torch's lazy CUDA seeding records a
+        # stack), ~10 ms the host's loop would wait.
+        await self.train_lane.run(seed_everything, config.run.seed)
         ctx = SetupContext(config, register=teardown.push)
         ctx.lane = self.train_lane
         ctx.inbox = self.session.inbox
-        with self.trace.span("setup", "trainer"):
+        with self.trace.span("setup", "trainer"), guest.setting_up():
             await call_hook(self.train_lane, trainer.setup, ctx)
         self.events.emit("setup", self.clock.step)
         self.kept = ctx.kept
