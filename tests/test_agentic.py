@@ -24,7 +24,7 @@ from trainers.agentic.calculator import CalculatorEnv, EnvSettings, Problem
 from trainers.agentic.policy import run_agent
 from trainers.agentic.rl import AgenticGRPOTrainer
 from trainers.agentic.sft import AgenticSFTTrainer
-from trainers.lm.policy import response_logprobs
+from trainers.lm.policy import rollout_logprobs
 
 REPO = Path(__file__).resolve().parents[1]
 TINY = {
@@ -117,10 +117,7 @@ def test_runner_equals_a_handwritten_multi_turn_loop(tmp_path: Path) -> None:
     assert any(e.turns > 1 for e in ran)  # the test saw observations appended
     rollouts = harness.rollout(0).data.rollouts
     with torch.no_grad():
-        logp, _, _ = response_logprobs(
-            trainer.policy, rollouts.sequences, rollouts.prompt_ids.shape[1],
-            trainer.config.temperature,
-        )  # fmt: skip
+        logp, _, _ = rollout_logprobs(trainer.policy, rollouts, trainer.config.temperature)
     mask = rollouts.response_mask
     assert mask.any() and not mask.all()  # observation tokens are in, untrained
     torch.testing.assert_close(logp[mask], rollouts.logprobs[mask], rtol=0, atol=1e-5)

@@ -32,6 +32,16 @@ def _grouped(rewards: Tensor, group_size: int) -> Tensor:
     return rewards.reshape(-1, group_size)
 
 
+def fill_failed(rewards: Tensor, ok: Tensor, group_size: int) -> Tensor:
+    """Rows that failed (``ok`` False: an environment or a reward function failed) take
+    the mean reward of their group's rows that did not, so they move no advantage (a
+    group with no good rows: 0). Their tokens are masked out by the caller."""
+    grouped, good = _grouped(rewards.clone(), group_size), _grouped(ok, group_size)
+    count = good.sum(dim=1, keepdim=True)
+    mean = (grouped * good).sum(dim=1, keepdim=True) / count.clamp(min=1)
+    return torch.where(good, grouped, mean.expand_as(grouped)).flatten()
+
+
 def group_advantages(
     rewards: Tensor, group_size: int, scope: AdvantageScope = "group", std_norm: bool = True,
     eps: float = 1e-6,

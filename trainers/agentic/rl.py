@@ -41,6 +41,7 @@ from trainers.lm.policy import policy_from
 from trainers.lm.policy_gradient import PolicyGradientTrainer, Scored
 from trainers.lm.ppo import PPOAlgorithm, PPOConfig
 from trainers.lm.settings import PositiveInt
+from trainers.pg import fill_failed
 
 # Where episodes come from: the trainer's own environments, or submitted from outside
 # (a host's agents through corun.training's session, or the endpoint's capture).
@@ -115,7 +116,8 @@ class AgenticEpisodes(PolicyGradientTrainer[Any]):
         rollouts = to_rollouts(episodes, ctx.version or 0)
         rewards = torch.tensor([e.reward for e in episodes])
         prompts = [calculator.decode(e.prompt_ids) for e in episodes]
-        scored = Scored(rollouts, prompts, _fill_failed(rewards, episodes, n))
+        trainable = torch.tensor([e.trainable for e in episodes])
+        scored = Scored(rollouts, prompts, fill_failed(rewards, trainable, n))
         metrics = {f"rollout/{k}": v for k, v in episode_metrics(episodes, tasks).items()}
         metrics["perf/env_wait_time_s"] = sum(e.env_wait_s for e in episodes)
         return Batch(self.training_data(scored), metrics, version=rollouts.version)
@@ -172,19 +174,6 @@ def to_rollouts(episodes: list[Episode], version: int) -> Rollouts:
         ),
         version=oldest,
     )
-
-
-def _fill_failed(rewards: Tensor, episodes: list[Episode], group: int) -> Tensor:
-    """An untrainable episode takes the mean reward of its group's trainable ones."""
-    rewards = rewards.clone()
-    for start in range(0, len(episodes), group):
-        members = range(start, start + group)
-        ok = [i for i in members if episodes[i].trainable]
-        mean = float(rewards[ok].mean()) if ok else 0.0
-        for i in members:
-            if not episodes[i].trainable:
-                rewards[i] = mean
-    return rewards
 
 
 class AgenticGRPOTrainer(AgenticEpisodes, GRPOAlgorithm):

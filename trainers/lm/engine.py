@@ -37,15 +37,26 @@ class Rollouts:
     truncated: Tensor  # (N,) bool: hit max_new_tokens without an EOS
     token_versions: Tensor  # (N, T) weight version that produced each token
     version: int  # the oldest of those: what the batch's staleness is counted from
+    # (N, P) bool: the real tokens of prompts left-padded to one length (prompts of
+    # several lengths); None when every prompt has all P tokens.
+    prompt_mask: Tensor | None = None
 
     @property
     def sequences(self) -> Tensor:
         return torch.cat([self.prompt_ids, self.response_ids], dim=1)
 
+    @property
+    def attention_mask(self) -> Tensor | None:
+        """(N, P + T) real tokens of :attr:`sequences` (None: all of them)."""
+        if self.prompt_mask is None:
+            return None
+        return torch.cat([self.prompt_mask, torch.ones_like(self.response_mask)], dim=1)
+
     def select(self, rows: Tensor | slice) -> Rollouts:
         return Rollouts(
             self.prompt_ids[rows], self.response_ids[rows], self.response_mask[rows],
             self.logprobs[rows], self.truncated[rows], self.token_versions[rows], self.version,
+            None if self.prompt_mask is None else self.prompt_mask[rows],
         )  # fmt: skip
 
     def spans_versions(self) -> Tensor:
@@ -55,6 +66,10 @@ class Rollouts:
 
     @staticmethod
     def concat(parts: list[Rollouts]) -> Rollouts:
+        if len({p.prompt_ids.shape[1] for p in parts}) > 1 or any(
+            p.prompt_mask is not None for p in parts
+        ):
+            raise ValueError("concatenating left-padded prompts is not supported")
         width = max(p.response_ids.shape[1] for p in parts)
         return Rollouts(
             torch.cat([p.prompt_ids for p in parts]),

@@ -84,8 +84,16 @@ class TinyLM(nn.Module):
         """``ids`` (batch, length) -> logits (batch, length, vocab_size)."""
         return self.head(self.hidden(ids))
 
-    def hidden(self, ids: Tensor) -> Tensor:
-        """Final hidden states (batch, length, d_model), after the last LayerNorm."""
+    @property
+    def hidden_size(self) -> int:
+        return self.config.d_model
+
+    def hidden(self, ids: Tensor, attention_mask: Tensor | None = None) -> Tensor:
+        """Final hidden states (batch, length, d_model), after the last LayerNorm.
+
+        TinyLM batches are never padded on the left (a task's prompts have one length),
+        so there is no ``attention_mask`` to apply."""
+        refuse_padding(attention_mask)
         length = ids.shape[1]
         if length > self.config.max_len:
             raise ValueError(f"sequence of {length} tokens exceeds max_len {self.config.max_len}")
@@ -113,6 +121,11 @@ class TinyLM(nn.Module):
             self, prompt_ids, max_new_tokens, stop_id=stop_id, temperature=temperature,
             generator=generator,
         ).tokens  # fmt: skip
+
+
+def refuse_padding(attention_mask: Tensor | None) -> None:
+    if attention_mask is not None:
+        raise ValueError("TinyLM takes unpadded rows: no attention_mask")
 
 
 class Decoded(NamedTuple):

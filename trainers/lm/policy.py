@@ -3,7 +3,7 @@ checkpoint, held-out greedy evaluation, and per-token log-probs of responses."""
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Protocol
 
 import msgspec
 import torch
@@ -11,6 +11,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from corun.errors import CheckpointError
+from trainers.lm.engine import Rollouts
 from trainers.lm.model import ModelConfig, TinyLM
 from trainers.lm.tasks import EOS, MAX_LEN, VOCAB_SIZE, Task, decode_responses, encode_prompts
 from trainers.weights import rebuild, warm_start
@@ -89,19 +90,45 @@ class HeldOutEval:
         return {"eval/accuracy": exact / len(responses), "eval/reward": reward / len(responses)}
 
 
+class CausalPolicy(Protocol):
+    """What the LM trainers need of a policy: TinyLM, or a Hugging Face causal LM
+    (trainers/hf/policy.py)."""
+
+    @property
+    def hidden_size(self) -> int: ...
+
+    def hidden(self, ids: Tensor, attention_mask: Tensor | None = None) -> Tensor: ...
+
+    def head(self, hidden: Tensor) -> Tensor: ...
+
+
 def response_logprobs(
-    model: TinyLM, sequences: Tensor, prompt_len: int, temperature: float
-) -> tuple[Tensor, Tensor, Tensor]:
+    model: CausalPolicy, sequences: Tensor, prompt_len: int, temperature: float,
+    attention_mask: Tensor | None = None,
+) -> tuple[Tensor, Tensor, Tensor]:  # fmt: skip
     """Per-token log-probs and entropies of the response part of ``sequences``.
 
     Logits are divided by ``temperature``, as when sampling, so the ratio to the
-    behaviour log-probs is 1 for unchanged weights. Returns (logp, entropy, hidden)
-    over the T response positions; ``hidden`` feeds a value head.
+    behaviour log-probs is 1 for unchanged weights. ``attention_mask`` marks the real
+    tokens of left-padded prompts. Returns (logp, entropy, hidden) over the T response
+    positions; ``hidden`` feeds a value head.
     """
-    hidden = model.hidden(sequences[:, :-1])[:, prompt_len - 1 :]
+    inputs = sequences[:, :-1]
+    mask = None if attention_mask is None else attention_mask[:, :-1]
+    hidden = model.hidden(inputs, mask)[:, prompt_len - 1 :]
     logits = model.head(hidden) / max(temperature, 1e-6)
     log_dist = F.log_softmax(logits, dim=-1)
     targets = sequences[:, prompt_len:]
     logp = log_dist.gather(-1, targets[..., None]).squeeze(-1)
     entropy = -(log_dist.exp() * log_dist).sum(dim=-1)
     return logp, entropy, hidden
+
+
+def rollout_logprobs(
+    model: CausalPolicy, rollouts: Rollouts, temperature: float
+) -> tuple[Tensor, Tensor, Tensor]:
+    """:func:`response_logprobs` of a batch of rollouts."""
+    return response_logprobs(
+        model, rollouts.sequences, rollouts.prompt_ids.shape[1], temperature,
+        rollouts.attention_mask,
+    )  # fmt: skip

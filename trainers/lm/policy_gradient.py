@@ -25,7 +25,13 @@ from corun import Batch, ConfigError, Part, SetupContext, Trainer
 from corun.prerequisites import is_config
 from trainers.lm.engine import LocalEngine, Rollouts
 from trainers.lm.model import TinyLM
-from trainers.lm.policy import load_policy, load_policy_state, policy_state, response_logprobs
+from trainers.lm.policy import (
+    CausalPolicy,
+    load_policy,
+    load_policy_state,
+    policy_state,
+    rollout_logprobs,
+)
 from trainers.lm.settings import LMTrainerConfig, NonNegativeFloat, PositiveInt
 from trainers.pg import (
     LossAggregation,
@@ -121,14 +127,17 @@ class PolicyGradientTrainer(Trainer[C]):
         params = [*self.policy.parameters(), *self.extra_parameters()]
         self.optimizer = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=0.0)
         ctx.add_optimizer(self.optimizer, grad_clip=cfg.grad_clip)
-        # The rollout engine: the train thread's, updated in place at each sync, and
-        # one replica per rollout worker thread (concurrency > 1).
+        self.setup_engine(ctx)
+        self.setup_task()
+
+    def setup_engine(self, ctx: SetupContext) -> None:
+        """The rollout engine: the train thread's, updated in place at each sync, and
+        one replica per rollout worker thread (concurrency > 1)."""
         self.replicas: Replicas[LocalEngine] = Replicas(
             LocalEngine(self.policy), self._engine_replica, LocalEngine.update_weights,
             initial=self.policy.state_dict(), ctx=ctx,
         )  # fmt: skip
         self.engine = self.replicas.home
-        self.setup_task()
 
     def initial_policy(self) -> TinyLM:
         """The policy to start from: a warm start's, or a fresh one."""
@@ -156,10 +165,7 @@ class PolicyGradientTrainer(Trainer[C]):
         if self.config.off_policy_correction == "decoupled":
             rollouts = data.rollouts
             with torch.no_grad():  # the policy before this batch's update
-                proximal, _, _ = response_logprobs(
-                    self.policy, rollouts.sequences, rollouts.prompt_ids.shape[1],
-                    self.config.temperature,
-                )  # fmt: skip
+                proximal, _, _ = rollout_logprobs(self.policy, rollouts, self.config.temperature)
         return Prepared(data, proximal)
 
     def prepare_data(self, data: Any) -> Any:
@@ -226,9 +232,9 @@ class PolicyLossSettings(Protocol):
 
 
 def clipped_policy_loss(
-    policy: TinyLM, rollouts: Rollouts, advantages: Tensor, settings: PolicyLossSettings, *,
-    proximal: Tensor | None = None, importance_cap: float = 1.0,
-    reference: TinyLM | None = None, kl_coef: float = 0.0, kl_clamp: float | None = None,
+    policy: CausalPolicy, rollouts: Rollouts, advantages: Tensor, settings: PolicyLossSettings,
+    *, proximal: Tensor | None = None, importance_cap: float = 1.0,
+    reference: CausalPolicy | None = None, kl_coef: float = 0.0, kl_clamp: float | None = None,
     dual_clip: float | None = None,
 ) -> tuple[Tensor, dict[str, float], Tensor]:  # fmt: skip
     """The clipped surrogate of ``rollouts`` under ``policy`` (decoupled against
@@ -236,10 +242,7 @@ def clipped_policy_loss(
     at ``dual_clip``), plus ``kl_coef`` × k3 KL (capped at ``kl_clamp``) to
     ``reference`` when given. Returns the aggregated loss, metrics, and the hidden
     states (a value head's input)."""
-    prompt_len = rollouts.prompt_ids.shape[1]
-    logp, entropy, hidden = response_logprobs(
-        policy, rollouts.sequences, prompt_len, settings.temperature
-    )
+    logp, entropy, hidden = rollout_logprobs(policy, rollouts, settings.temperature)
     mask = rollouts.response_mask
     metrics: dict[str, float] = {}
     if proximal is not None:
@@ -257,9 +260,7 @@ def clipped_policy_loss(
     metrics["entropy"] = _masked_mean(entropy.detach(), mask)
     if reference is not None:
         with torch.no_grad():
-            ref_logp, _, _ = response_logprobs(
-                reference, rollouts.sequences, prompt_len, settings.temperature
-            )
+            ref_logp, _, _ = rollout_logprobs(reference, rollouts, settings.temperature)
         kl = kl_k3(logp, ref_logp, clamp=kl_clamp)
         loss_tok = loss_tok + kl_coef * kl
         metrics["kl"] = _masked_mean(kl.detach(), mask)

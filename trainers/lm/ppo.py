@@ -18,7 +18,7 @@ from torch import Tensor, nn
 
 from corun import RolloutContext
 from trainers.lm.engine import Rollouts
-from trainers.lm.policy import response_logprobs
+from trainers.lm.policy import rollout_logprobs
 from trainers.lm.policy_gradient import PolicyGradientTrainer, RLConfig, Scored
 from trainers.lm.rl import LMPolicyTrainer
 from trainers.lm.settings import NonNegativeFloat
@@ -50,7 +50,7 @@ class PPOAlgorithm(PolicyGradientTrainer[PPOConfig]):
     value head, GAE from the reward on the final trained token, the value loss."""
 
     def build_extra_modules(self) -> dict[str, nn.Module]:
-        self.value_head = nn.Linear(self.policy.config.d_model, 1)
+        self.value_head = nn.Linear(self.policy.hidden_size, 1)
         return {"value_head": self.value_head}
 
     def training_data(self, scored: Scored) -> Scored:
@@ -59,9 +59,7 @@ class PPOAlgorithm(PolicyGradientTrainer[PPOConfig]):
     @torch.no_grad()
     def prepare_data(self, scored: Scored) -> PPOBatch:
         rollouts, cfg = scored.rollouts, self.config
-        _, _, hidden = response_logprobs(
-            self.policy, rollouts.sequences, rollouts.prompt_ids.shape[1], cfg.temperature
-        )
+        _, _, hidden = rollout_logprobs(self.policy, rollouts, cfg.temperature)
         mask = rollouts.response_mask
         old_values = self.value_head(hidden).squeeze(-1) * mask
         # Each response's final token (its last trained one: a multi-turn transcript has

@@ -80,13 +80,17 @@ class SFTTrainer(Trainer[SFTConfig]):
         cfg = self.config
         self.task = TASKS[cfg.task]
         self.model = build_policy(cfg.d_model, cfg.n_layers, cfg.n_heads)
+        self.setup_optimizer(ctx)
+        # Built once: the held-out set is fixed, and building it draws no global randomness.
+        self.held_out = HeldOutEval(self.task, cfg.eval_size)
+        self.eval_tokens = encode_examples(self.held_out.examples)
+
+    def setup_optimizer(self, ctx: SetupContext) -> None:
+        cfg = self.config
         self.optimizer = torch.optim.AdamW(
             self.model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay
         )
         ctx.add_optimizer(self.optimizer, grad_clip=cfg.grad_clip)
-        # Built once: the held-out set is fixed, and building it draws no global randomness.
-        self.held_out = HeldOutEval(self.task, cfg.eval_size)
-        self.eval_tokens = encode_examples(self.held_out.examples)
 
     def dataset(self) -> Dataset:
         data, seed = self.run_config.data, self.run_config.run.seed

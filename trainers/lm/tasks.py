@@ -145,21 +145,25 @@ class TokenBatch:
 
 
 def encode_examples(examples: Sequence[Example]) -> TokenBatch:
-    """Sequences ``prompt + answer + EOS``; the loss covers only the answer and EOS.
+    """Sequences ``prompt + answer + EOS``; the loss covers only the answer and EOS."""
+    return teacher_forcing([(encode(p), [*encode(a), EOS]) for p, a in examples], PAD)
+
+
+def teacher_forcing(sequences: Sequence[tuple[list[int], list[int]]], pad: int) -> TokenBatch:
+    """(prompt ids, target ids) pairs as one batch; the loss covers the targets.
 
     Right padding is safe without an attention mask: causal attention never lets a
     real token see the pads after it, and pad targets are masked out.
     """
-    sequences = [(encode(p), [*encode(a), EOS]) for p, a in examples]
     length = max(len(p) + len(a) for p, a in sequences) - 1
     inputs, targets, mask = [], [], []
     for prompt, answer in sequences:
         seq = prompt + answer
-        pad = length - (len(seq) - 1)
-        inputs.append(seq[:-1] + [PAD] * pad)
-        targets.append(seq[1:] + [PAD] * pad)
-        # targets[t] = seq[t + 1]; answer + EOS sit at seq[len(prompt):].
-        mask.append([False] * (len(prompt) - 1) + [True] * len(answer) + [False] * pad)
+        fill = length - (len(seq) - 1)
+        inputs.append(seq[:-1] + [pad] * fill)
+        targets.append(seq[1:] + [pad] * fill)
+        # targets[t] = seq[t + 1]; the answer sits at seq[len(prompt):].
+        mask.append([False] * (len(prompt) - 1) + [True] * len(answer) + [False] * fill)
     return TokenBatch(torch.tensor(inputs), torch.tensor(targets), torch.tensor(mask))
 
 

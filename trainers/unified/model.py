@@ -23,7 +23,7 @@ from torch import Tensor, nn
 
 from corun.errors import CheckpointError
 from trainers.diffusion.model import FlowDiT, FlowModelConfig, Size
-from trainers.lm.model import ModelConfig, TinyLM
+from trainers.lm.model import ModelConfig, TinyLM, refuse_padding
 from trainers.lm.tasks import MAX_LEN, VOCAB_SIZE
 from trainers.weights import rebuild, warm_start
 
@@ -61,8 +61,9 @@ class UnifiedModel(TinyLM):
             nn.init.normal_(weight, std=0.02)  # small, as TinyLM: the head is tied
         self.flow = FlowDiT(config.flow_config())
 
-    def hidden(self, ids: Tensor) -> Tensor:
+    def hidden(self, ids: Tensor, attention_mask: Tensor | None = None) -> Tensor:
         """Final hidden states (batch, length, d_model) of the shared blocks, run causally."""
+        refuse_padding(attention_mask)
         batch, length = ids.shape
         if length > self.config.max_len:
             raise ValueError(f"sequence of {length} tokens exceeds max_len {self.config.max_len}")

@@ -1,0 +1,81 @@
+"""The rollout-engine interface: what a trainer's rollouts and the policy endpoint need
+of whatever generates — an in-process model, a transformers model, vLLM in-process,
+or a vLLM server behind HTTP — without knowing which.
+
+Token ids in, token ids out: an engine never sees text, so what it samples is what is
+trained (no re-tokenization). Each sampled token comes with its behaviour log-prob —
+under the temperature-scaled distribution, before top-p truncation, which is what a
+trainer recomputes, so the ratio is 1 for unchanged weights — and the policy version
+of the weights that produced it. Every method is ``async``: an engine behind I/O
+awaits it; an in-process one runs its compute on a lane.
+
+Kept free of any engine's types, so another engine (SGLang, say) is an adapter away.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Literal, Protocol
+
+from torch import Tensor
+
+
+@dataclass(frozen=True)
+class Sampling:
+    max_tokens: int
+    temperature: float = 1.0  # 0: greedy
+    top_p: float = 1.0
+    stop_ids: tuple[int, ...] = ()  # a sampled stop id ends the sequence (it is kept)
+
+
+Finish = Literal["stop", "length"]
+
+
+@dataclass
+class Generation:
+    """One sampled continuation of a prompt."""
+
+    ids: list[int]
+    logprobs: list[float]
+    versions: list[int]
+    finish: Finish
+
+
+class EngineError(RuntimeError):
+    """The engine failed or died; the run fails with this message, one line."""
+
+
+class Engine(Protocol):
+    """A rollout engine. ``version`` is the policy version of its weights."""
+
+    @property
+    def version(self) -> int: ...
+
+    @property
+    def interrupts(self) -> bool:
+        """Whether weights can change between two decode steps of a running generation
+        (partial rollouts); otherwise an update waits for running generations."""
+        ...
+
+    async def generate(
+        self, prompts: Sequence[Sequence[int]], sampling: Sampling, seed: int
+    ) -> list[Generation]:
+        """One continuation per prompt; all draws from ``seed``."""
+        ...
+
+    async def update_weights(self, state: Mapping[str, Tensor], version: int) -> None:
+        """Load ``state`` (the trained model's state dict) as policy ``version``."""
+        ...
+
+    async def pause(self) -> None:
+        """Let running generations finish and start no new ones until :meth:`resume`."""
+        ...
+
+    async def resume(self) -> None: ...
+
+    async def health(self) -> bool: ...
+
+    async def shutdown(self) -> None:
+        """Release everything (bounded; a child process is killed as a group)."""
+        ...

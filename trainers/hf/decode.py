@@ -1,0 +1,101 @@
+"""Batched sampling from a Hugging Face causal LM with its KV cache: what the
+transformers rollout engine and the held-out evaluation run.
+
+Prompts of several lengths are left-padded; position ids skip the padding, so each
+row computes what it would alone. Log-probs are under the full temperature-scaled
+distribution (what the trainer recomputes; top-p only narrows what is drawn), and
+each token records the weight version that produced it. When ``weights_version``
+reports newer weights between two steps (a partial rollout), the cache of the old
+weights is dropped and the prefix is re-read by the new ones.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Literal
+
+import torch
+from torch import Tensor
+
+from corun.compute import cancel_point
+from corun.engine import Generation, Sampling
+from trainers.hf.policy import HFPolicy, left_pad, positions
+from trainers.lm.model import top_p_log_probs
+
+
+@torch.no_grad()
+def generate(
+    policy: HFPolicy, prompts: Sequence[Sequence[int]], sampling: Sampling,
+    generator: torch.Generator | None, pad_id: int,
+    weights_version: Callable[[], int] = lambda: 0,
+) -> list[Generation]:  # fmt: skip
+    """One continuation per prompt; ``temperature`` 0 is greedy and draws nothing."""
+    model = policy.model
+    was_training = model.training
+    model.eval()
+    ids, mask = left_pad(prompts, pad_id)
+    batch = ids.shape[0]
+    stops = torch.tensor(sampling.stop_ids or (-1,))
+    done = torch.zeros(batch, dtype=torch.bool)
+    tokens: list[Tensor] = []
+    logprobs: list[Tensor] = []
+    versions: list[int] = []
+    cache = None
+    step_ids = ids  # what the next forward reads: the whole prefix, or the last token
+    for step in range(sampling.max_tokens):
+        if step:
+            cancel_point()
+        version = weights_version()
+        if versions and version != versions[-1]:  # new weights: re-read the prefix
+            cache, step_ids = None, ids
+        versions.append(version)
+        attention = mask.long()
+        out = model(
+            input_ids=step_ids, attention_mask=attention,
+            position_ids=positions(attention)[:, -step_ids.shape[1] :],
+            past_key_values=cache, use_cache=True,
+        )  # fmt: skip
+        cache = out.past_key_values
+        logits = out.logits[:, -1].float()
+        token, logprob = _draw(logits, sampling, generator)
+        token = token.masked_fill(done, pad_id)
+        tokens.append(token)
+        logprobs.append(logprob.masked_fill(done, 0.0))
+        done |= torch.isin(token, stops)
+        ids = torch.cat([ids, token[:, None]], dim=1)
+        mask = torch.cat([mask, torch.ones(batch, 1, dtype=torch.bool)], dim=1)
+        step_ids = token[:, None]
+        if bool(done.all()):
+            break
+    model.train(was_training)
+    return _generations(tokens, logprobs, versions, stops)
+
+
+def _draw(
+    logits: Tensor, sampling: Sampling, generator: torch.Generator | None
+) -> tuple[Tensor, Tensor]:
+    if sampling.temperature <= 0:
+        log_dist = torch.log_softmax(logits, dim=-1)
+        token = logits.argmax(dim=-1)
+    else:
+        scaled = logits / sampling.temperature
+        log_dist = torch.log_softmax(scaled, dim=-1)
+        nucleus = top_p_log_probs(scaled, sampling.top_p)
+        token = torch.multinomial(nucleus.exp(), 1, generator=generator).squeeze(1)
+    return token, log_dist.gather(1, token[:, None]).squeeze(1)
+
+
+def _generations(
+    tokens: list[Tensor], logprobs: list[Tensor], versions: list[int], stops: Tensor
+) -> list[Generation]:
+    if not tokens:
+        return []
+    stop_ids = set(stops.tolist())
+    out = []
+    rows = zip(torch.stack(tokens, 1).tolist(), torch.stack(logprobs, 1).tolist(), strict=True)
+    for ids, lps in rows:
+        stop_at = next((i for i, token in enumerate(ids) if token in stop_ids), None)
+        end = len(ids) if stop_at is None else stop_at + 1
+        finish: Literal["stop", "length"] = "length" if stop_at is None else "stop"
+        out.append(Generation(ids[:end], lps[:end], versions[:end], finish))
+    return out

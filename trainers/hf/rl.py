@@ -1,0 +1,223 @@
+"""GRPO and PPO on a Hugging Face policy (registered as ``hf_grpo`` and ``hf_ppo``).
+
+What differs from the TinyLM trainers lives here: the policy and tokenizer come from
+``trainer.model = "hf:<dir>"`` (weights from ``init_from`` when warm-started),
+prompts from the word-problem task or a JSONL file, rewards from configured
+functions, and generation from an async rollout engine (``trainer.engine``: local
+transformers, vLLM in process, or a vLLM server) that a weight sync updates in
+place. The algorithms — group advantages, GAE with a value head on the model's
+hidden states, the clipped and decoupled losses — are GRPO's and PPO's, unchanged.
+
+A sample whose reward function failed is not trained on (its tokens are masked out)
+and, under GRPO, takes its group's mean reward, so it moves nobody's advantage.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any, Literal
+
+import msgspec
+import torch
+from torch import Tensor
+
+from corun import Batch, ConfigError, Dataset, RolloutContext, SetupContext
+from corun.engine import Engine, Generation, Sampling
+from trainers.hf.engines import EngineKind, EngineSettings, start_engine
+from trainers.hf.evaluation import evaluate
+from trainers.hf.policy import ChatFormat, HFPolicy, left_pad
+from trainers.hf.rewards import Rewards
+from trainers.hf.state import hf_state, load_hf_state, load_model
+from trainers.hf.tasks import Example, WordProblems, eval_problems, prompt_batches, read_prompts
+from trainers.lm.engine import Rollouts
+from trainers.lm.grpo import GRPOAlgorithm, GRPOConfig
+from trainers.lm.policy_gradient import PolicyGradientTrainer, Scored
+from trainers.lm.ppo import PPOAlgorithm, PPOConfig
+from trainers.lm.settings import LMTrainerConfig, PositiveInt
+from trainers.pg import fill_failed
+
+DEFAULT_REWARDS = {"numeric_match": 1.0}
+TaskName = Literal["word-problems"]
+
+
+def check_hf_config(config: Any) -> None:
+    """What a TinyLM setting means nothing to an HF policy: refused, naming it."""
+    defaults = LMTrainerConfig(kind="")
+    for name in ("d_model", "n_layers", "n_heads"):
+        if getattr(config, name) != getattr(defaults, name):
+            raise ValueError(f"`$.{name}` shapes the built-in TinyLM; an hf: model has its own")
+    if getattr(config, "dynamic_sampling", False):
+        raise ValueError("`$.dynamic_sampling` is not supported with an hf: model")
+
+
+class HFGRPOConfig(GRPOConfig, frozen=True, forbid_unknown_fields=True, kw_only=True):
+    task: TaskName = "word-problems"  # type: ignore[assignment]  # data.path: a JSONL instead
+    model: str  # "hf:<dir>": architecture, tokenizer, chat template (and weights, unless init_from)
+    engine: EngineKind = "local"
+    engine_options: EngineSettings = EngineSettings()  # [trainer.engine_options]
+    rewards: dict[str, float] = msgspec.field(default_factory=lambda: dict(DEFAULT_REWARDS))
+    system_prompt: str = ""
+    max_new_tokens: PositiveInt = 8
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        check_hf_config(self)
+
+
+class HFPPOConfig(PPOConfig, frozen=True, forbid_unknown_fields=True, kw_only=True):
+    task: TaskName = "word-problems"  # type: ignore[assignment]
+    model: str
+    engine: EngineKind = "local"
+    engine_options: EngineSettings = EngineSettings()
+    rewards: dict[str, float] = msgspec.field(default_factory=lambda: dict(DEFAULT_REWARDS))
+    system_prompt: str = ""
+    max_new_tokens: PositiveInt = 8
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        check_hf_config(self)
+
+
+class HFRollouts(PolicyGradientTrainer[Any]):
+    """The HF side, mixed in before an algorithm (GRPOAlgorithm, PPOAlgorithm)."""
+
+    policy: HFPolicy  # type: ignore[assignment]
+    engine: Engine  # type: ignore[assignment]
+
+    async def setup(self, ctx: SetupContext) -> None:  # type: ignore[override]
+        cfg, loop = self.config, self.run_config.loop
+        if loop.concurrency > 1 and loop.version_schedule == "fixed":
+            raise ConfigError(
+                '`$.loop.version_schedule` = "fixed": an hf: model\'s engine holds only the '
+                "newest weights, which a scheduled rollout may not want"
+            )
+        self.train_lane = ctx.lane
+        # The model, optimizer and task (blocking: loading weights) on the train lane.
+        await _on(ctx, super().setup, ctx)
+        self.engine = await start_engine(
+            cfg.engine, cfg.engine_options, self.policy, self.chat.pad_id, ctx,
+            interrupt=cfg.inflight_at_sync == "interrupt",
+        )  # fmt: skip
+
+    def setup_engine(self, ctx: SetupContext) -> None:
+        """Started by :meth:`setup` once the policy exists (engines start async)."""
+
+    def initial_policy(self) -> HFPolicy:  # type: ignore[override]
+        cfg = self.config
+        policy, tokenizer = load_model(cfg.model, cfg.init_from, "`$.trainer.model`")
+        self.chat = ChatFormat(tokenizer, cfg.system_prompt)
+        return policy
+
+    def setup_task(self) -> None:
+        data = self.run_config.data
+        self.rewards = Rewards(self.config.rewards, "`$.trainer.rewards`")
+        if data.path:
+            _, self.eval_examples = read_prompts(data.path)
+            self.eval_examples = self.eval_examples[: self.config.eval_size]
+        else:
+            self.eval_examples = eval_problems(self.config.eval_size)
+        self.chat.check([e.prompt for e in self.eval_examples], "`$.data.path`")
+        cfg = self.config
+        self.sampling = Sampling(
+            cfg.max_new_tokens, cfg.temperature, cfg.top_p, (self.chat.eos_id,)
+        )
+
+    def dataset(self) -> Dataset:
+        data, seed = self.run_config.data, self.run_config.run.seed
+        if data.path:
+            return prompt_batches(data.path, data.batch_size, seed, data.shuffle)
+        return WordProblems(data.batch_size, seed)
+
+    # ---- rollout
+    async def rollout(self, examples: list[Example], ctx: RolloutContext) -> Batch:  # type: ignore[override]
+        cfg, n = self.config, self.config.samples_per_prompt
+        started = time.monotonic()
+        self.chat.check([e.prompt for e in examples], "`$.data.path`")
+        rows = [e for e in examples for _ in range(n)]
+        prompt_ids = await ctx.compute(lambda: [self.chat.encode(e.prompt) for e in rows])
+        seed = int(torch.randint(0, 2**62, (1,), generator=ctx.generator))
+        with ctx.span("generate", ctx.track, rows=len(rows)):
+            generations = await self.engine.generate(prompt_ids, self.sampling, seed)
+        generated = time.monotonic()
+        rollouts = to_rollouts(prompt_ids, generations, self.chat.pad_id)
+        responses = [self.chat.decode(g.ids) for g in generations]
+        scores = await self.rewards.score(
+            [str(e.prompt) for e in rows], responses, [e.answer for e in rows], ctx.compute
+        )
+        rewards = torch.tensor(scores.rewards)
+        if cfg.truncated_reward == "zero":
+            rewards = rewards.masked_fill(rollouts.truncated, 0.0)
+        ok = torch.tensor(scores.ok)
+        rollouts.response_mask &= ok[:, None]
+        scored = Scored(rollouts, [str(e.prompt) for e in rows], fill_failed(rewards, ok, n))
+        metrics = {
+            "rollout/reward_mean": float(rewards[ok].mean()) if ok.any() else 0.0,
+            "rollout/reward_failures": float((~ok).sum()),
+            "rollout/response_len_mean": sum(len(g.ids) for g in generations) / len(generations),
+            "rollout/truncated_ratio": float(rollouts.truncated.float().mean()),
+            "rollout/partial_ratio": float(rollouts.spans_versions().float().mean()),
+            **{f"rollout/reward/{name}": value for name, value in scores.by_function.items()},
+            "perf/generate_time_s": generated - started,
+            "perf/reward_time_s": time.monotonic() - generated,
+        }
+        data = self.training_data(scored)
+        return Batch(data, metrics=metrics, version=rollouts.version)
+
+    # ---- sync, evaluation, state
+    async def sync_weights(self, version: int) -> None:  # type: ignore[override]
+        await self.engine.update_weights(self.policy.weights(), version)
+
+    async def evaluate(self) -> dict[str, float]:  # type: ignore[override]
+        cfg = self.config
+        return await evaluate(
+            self.policy, self.chat, self.eval_examples, cfg.max_new_tokens, self.rewards,
+            self.train_lane,
+        )  # fmt: skip
+
+    def wandb_extra(self) -> dict[str, Any]:
+        return {
+            "model/num_params": self.policy.num_params(),
+            "model/source": str(self.policy.source),
+        }
+
+    def state_dict(self) -> dict[str, Any]:
+        extra = {name: module.state_dict() for name, module in self.extra_modules.items()}
+        return hf_state(self.policy, self.optimizer, extra=extra)
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        load_hf_state(state, self.policy, self.optimizer)
+        for name, module in self.extra_modules.items():
+            module.load_state_dict(state["extra"][name])
+
+
+async def _on(ctx: SetupContext, fn: Any, *args: Any) -> Any:
+    return fn(*args) if ctx.lane is None else await ctx.lane.run(fn, *args)
+
+
+def to_rollouts(prompts: list[list[int]], generations: list[Generation], pad_id: int) -> Rollouts:
+    """Generations as a batch: prompts left-padded, responses right-padded."""
+    prompt_ids, prompt_mask = left_pad(prompts, pad_id)
+    width = max(1, max(len(g.ids) for g in generations))
+
+    def rows(values: list[list[Any]], fill: Any, dtype: torch.dtype) -> Tensor:
+        return torch.tensor([[*v, *[fill] * (width - len(v))] for v in values], dtype=dtype)
+
+    oldest = min((v for g in generations for v in g.versions), default=0)
+    return Rollouts(
+        prompt_ids=prompt_ids,
+        response_ids=rows([g.ids for g in generations], pad_id, torch.long),
+        response_mask=rows([[True] * len(g.ids) for g in generations], False, torch.bool),
+        logprobs=rows([g.logprobs for g in generations], 0.0, torch.float32),
+        truncated=torch.tensor([g.finish == "length" for g in generations]),
+        token_versions=rows([g.versions for g in generations], oldest, torch.long),
+        version=oldest,
+        prompt_mask=prompt_mask,
+    )
+
+
+class HFGRPOTrainer(HFRollouts, GRPOAlgorithm):
+    Config = HFGRPOConfig
+
+
+class HFPPOTrainer(HFRollouts, PPOAlgorithm):
+    Config = HFPPOConfig

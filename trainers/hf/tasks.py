@@ -1,0 +1,116 @@
+"""Prompts of the Hugging Face path: a JSONL file (``data.path``) of plain prompts or
+chat messages with reference answers, or the built-in task — short arithmetic word
+problems made in code ("Ann has 12 apples and gets 7 more. How many apples now?" →
+19; batches are pure functions of (seed, index)). One prompt in ten, by a stable
+hash of its text, is held out for evaluation and never trained on."""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Annotated
+
+import msgspec
+
+from corun import DataError, ShuffledBatches, read_jsonl, stable_seed
+from trainers.hf.policy import Message, Prompt
+
+
+@dataclass(frozen=True)
+class Example:
+    """A prompt and its reference answer ("" when the data has none)."""
+
+    prompt: Prompt
+    answer: str
+
+
+class PromptRecord(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """One line of a prompt file: ``{"prompt": ..., "answer": ...}`` or
+    ``{"messages": [{"role": ..., "content": ...}, ...], "answer": ...}``; checked while
+    decoding, so errors name ``file:line``."""
+
+    prompt: str = ""
+    messages: Annotated[list[Message], msgspec.Meta(max_length=64)] = []
+    answer: str = ""
+
+    def __post_init__(self) -> None:
+        if bool(self.prompt) == bool(self.messages):
+            raise ValueError("give exactly one of a non-empty `prompt` or `messages`")
+        if self.messages and self.messages[-1].role == "assistant":
+            raise ValueError("the last message is the assistant's: nothing left to reply to")
+
+    def example(self) -> Example:
+        return Example(Prompt(self.prompt, tuple(self.messages)), self.answer)
+
+
+def read_prompts(path: str | Path) -> tuple[list[Example], list[Example]]:
+    """A prompt file as (training examples, held-out examples)."""
+    examples = [record.example() for record in read_jsonl(path, PromptRecord)]
+    train = [e for e in examples if not held_out(str(e.prompt))]
+    if not train:
+        raise DataError(f"{path}: every record is held out for evaluation; add more")
+    return train, [e for e in examples if held_out(str(e.prompt))]
+
+
+def prompt_batches(
+    path: str | Path, batch_size: int, seed: int, shuffle: bool
+) -> ShuffledBatches[Example]:
+    return ShuffledBatches(read_prompts(path)[0], batch_size, seed, shuffle)
+
+
+NAMES = ("Ann", "Ben", "Cy", "Dee", "Eli", "Fay")
+THINGS = ("apples", "books", "coins", "pens", "shells", "stamps")
+
+
+@dataclass(frozen=True)
+class Problem:
+    """A prompt (the user's message) and the reference answer."""
+
+    prompt: str
+    answer: str
+
+
+def problem(rng: random.Random) -> Problem:
+    name, thing = rng.choice(NAMES), rng.choice(THINGS)
+    a, b = rng.randint(2, 20), rng.randint(1, 9)
+    if rng.random() < 0.5:
+        text = f"{name} has {a} {thing} and gets {b} more. How many {thing} now?"
+        return Problem(text, str(a + b))
+    a = max(a, b + 1)
+    text = f"{name} has {a} {thing} and gives away {b}. How many {thing} now?"
+    return Problem(text, str(a - b))
+
+
+def held_out(prompt: str) -> bool:
+    return stable_seed("held-out", prompt) % 10 == 0
+
+
+def _draw(rng: random.Random, want_held_out: bool) -> Example:
+    while True:
+        item = problem(rng)
+        if held_out(item.prompt) == want_held_out:
+            return Example(Prompt(item.prompt), item.answer)
+
+
+class WordProblems:
+    """Training batches: batch ``i`` is a pure function of (seed, i, batch_size)."""
+
+    def __init__(self, batch_size: int, seed: int) -> None:
+        self.batch_size, self.seed = batch_size, seed
+
+    def batch(self, index: int) -> list[Example]:
+        rng = random.Random(stable_seed("word-problems", self.seed, index))
+        return [_draw(rng, False) for _ in range(self.batch_size)]
+
+
+def eval_problems(n: int) -> list[Example]:
+    rng = random.Random(stable_seed("word-problems-eval"))
+    return [_draw(rng, True) for _ in range(n)]
+
+
+def corpus(n: int = 2000) -> list[str]:
+    """Text to train the tiny model's tokenizer on: problems and answers as chats."""
+    rng = random.Random(stable_seed("word-corpus"))
+    # In the tiny model's chat format, so its roles are whole tokens too.
+    return [f"user: {p.prompt}\nassistant: {p.answer}\n" for p in (problem(rng) for _ in range(n))]

@@ -1,0 +1,92 @@
+"""A tiny Llama-architecture model and its tokenizer, built offline: ``python -m
+trainers.hf.tiny DIR`` writes a ``save_pretrained`` directory (safetensors weights,
+``config.json``, a byte-level BPE tokenizer trained in memory with ``tokenizers`` on
+the word-problem corpus, digits split one per token, and a chat template) that
+transformers and vLLM both load. Random weights, seeded: the same directory every time.
+
+vLLM's CPU attention takes head sizes 32, 64, 80, ... only, hence ``head_dim`` 32.
+"""
+
+from __future__ import annotations
+
+import argparse
+import tempfile
+from pathlib import Path
+
+import torch
+
+from trainers.hf.tasks import corpus
+
+# A chat as plain text: "user: ...\nassistant: ...</s>\n"; the generation prompt ends
+# with "assistant:" so a reply starts right after it.
+# (transformers renders templates with trim_blocks: a literal newline after a tag is
+# dropped, hence the '\\n' expression.)
+CHAT_TEMPLATE = (
+    "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}"
+    "{% if m['role'] == 'assistant' %}{{ eos_token }}{% endif %}{{ '\\n' }}{% endfor %}"
+    "{% if add_generation_prompt %}assistant:{% endif %}"
+)
+
+
+def build(path: str | Path, *, hidden: int = 64, layers: int = 2, heads: int = 2,
+          vocab: int = 400, seed: int = 0) -> Path:  # fmt: skip
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+
+    tokenizer = Tokenizer(models.BPE())
+    tokenizer.pre_tokenizer = pre_tokenizers.Sequence([
+        pre_tokenizers.Digits(individual_digits=True),
+        pre_tokenizers.ByteLevel(add_prefix_space=False),
+    ])  # fmt: skip
+    tokenizer.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab, special_tokens=["<pad>", "<s>", "</s>"],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+    )  # fmt: skip
+    tokenizer.train_from_iterator(corpus(), trainer)
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=tokenizer, bos_token="<s>", eos_token="</s>", pad_token="<pad>"
+    )
+    fast.chat_template = CHAT_TEMPLATE
+    config = LlamaConfig(
+        vocab_size=len(fast), hidden_size=hidden, intermediate_size=2 * hidden,
+        num_hidden_layers=layers, num_attention_heads=heads, num_key_value_heads=heads,
+        head_dim=32, max_position_embeddings=256, bos_token_id=fast.bos_token_id,
+        eos_token_id=fast.eos_token_id, pad_token_id=fast.pad_token_id,
+        tie_word_embeddings=False,
+    )  # fmt: skip
+    with torch.random.fork_rng():
+        torch.manual_seed(seed)
+        model = LlamaForCausalLM(config)
+    path = Path(path)
+    model.save_pretrained(path)
+    fast.save_pretrained(path)
+    return path
+
+
+BUILT_IN_DIR = Path("runs/models/tiny-llama")
+
+
+def built_in() -> Path:
+    """The built-in tiny model's directory (under the working directory), written on
+    first use; written to a temporary sibling and renamed, so an interrupted build
+    never leaves half a model behind."""
+    if not (BUILT_IN_DIR / "config.json").is_file():
+        BUILT_IN_DIR.parent.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryDirectory(dir=BUILT_IN_DIR.parent) as tmp:
+            build(Path(tmp) / "model")
+            try:
+                (Path(tmp) / "model").rename(BUILT_IN_DIR)
+            except OSError:  # another process finished first
+                if not (BUILT_IN_DIR / "config.json").is_file():
+                    raise
+    return BUILT_IN_DIR
+
+
+if __name__ == "__main__":
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("dir", help="where to write the model")
+    parser.add_argument("--hidden", type=int, default=64)
+    parser.add_argument("--layers", type=int, default=2)
+    args = parser.parse_args()
+    print(build(args.dir, hidden=args.hidden, layers=args.layers))
