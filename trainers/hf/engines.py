@@ -5,13 +5,13 @@
 - ``vllm-server``: a vLLM OpenAI server as a child process (trainers/hf/vllm_server.py).
 
 The vLLM engines need the ``vllm`` extra (``pip install -e '.[vllm]'``); they are
-imported only when chosen. The engine's shutdown is registered for teardown before
-it starts, so a start-up that fails or is interrupted still ends what it began.
+imported only when chosen. A start-up that fails or is interrupted ends what it began
+(the engines' ``start``); a started engine's shutdown is registered for teardown.
 """
 
 from __future__ import annotations
 
-from typing import Annotated, Literal
+from typing import Any, Literal
 
 import msgspec
 
@@ -19,42 +19,33 @@ from corun import ConfigError, SetupContext
 from corun.compute import Lane
 from corun.engine import Engine
 from trainers.hf.policy import HFPolicy
+from trainers.hf.vllm_engine import EngineOptions, VLLMConfig
 
 EngineKind = Literal["local", "vllm", "vllm-server"]
 
 
-class EngineSettings(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):
-    """``[trainer.engine_options]``: settings of the vLLM engines."""
-
-    # KV cache size (VLLM_CPU_KVCACHE_SPACE); small models need little.
-    kv_cache_gb: Annotated[float, msgspec.Meta(gt=0)] = 1.0
-    # Sequences vLLM schedules at once.
-    max_num_seqs: Annotated[int, msgspec.Meta(ge=1)] = 256
-    # vllm-server: how long start-up may take before the run fails.
-    startup_timeout_s: Annotated[float, msgspec.Meta(gt=0)] = 300.0
-
-
-def check_engine(kind: EngineKind, options: EngineSettings, interrupt: bool) -> None:
+def check_engine(kind: EngineKind, options: EngineOptions, interrupt: bool) -> None:
     """Options the chosen engine does not take: a usage error naming the setting."""
     if kind == "local":
-        default = EngineSettings()
+        default = EngineOptions()
         for name in options.__struct_fields__:
             if getattr(options, name) != getattr(default, name):
                 raise ConfigError(
                     f'`$.trainer.engine_options.{name}`: the "local" engine has no such option '
                     '(it applies to "vllm" and "vllm-server")'
                 )
-    if kind == "vllm-server" and interrupt:
+    elif interrupt:
         raise ConfigError(
-            '`$.trainer.inflight_at_sync` = "interrupt": the "vllm-server" engine cannot '
-            'switch weights under a running request; use "drain"'
+            f'`$.trainer.inflight_at_sync` = "interrupt": the {kind!r} engine cannot switch '
+            'weights under a running request (it drains them); use "drain"'
         )
 
 
 async def start_engine(
-    kind: EngineKind, options: EngineSettings, policy: HFPolicy, pad_id: int,
+    kind: EngineKind, options: EngineOptions, policy: HFPolicy, pad_id: int,
     ctx: SetupContext, *, interrupt: bool,
 ) -> Engine:  # fmt: skip
+    """Start the engine on the policy's current weights (version 0)."""
     check_engine(kind, options, interrupt)
     loop = ctx.config.loop
     if kind == "local":
@@ -68,4 +59,21 @@ async def start_engine(
         engine = TransformersEngine(policy, pad_id, lane, owns_lane=not shared, interrupt=interrupt)
         ctx.on_teardown("engine", engine.shutdown)
         return engine
-    raise ConfigError(f"`$.trainer.engine` = {kind!r}: not available yet")
+    settings = VLLMConfig(model=str(policy.source), **_fields(options))
+    started: Engine
+    if kind == "vllm":
+        from trainers.hf.vllm_engine import VLLMEngine
+
+        started = await VLLMEngine.start(settings)
+    else:
+        from trainers.hf.vllm_server import VLLMServerEngine
+
+        started = await VLLMServerEngine.start(settings)
+    ctx.on_teardown("engine", started.shutdown)
+    # vLLM loaded the directory's weights; the policy may differ (a warm start).
+    await started.update_weights(policy.weights(), 0)
+    return started
+
+
+def _fields(options: EngineOptions) -> dict[str, Any]:
+    return msgspec.structs.asdict(options)

@@ -23,12 +23,13 @@ from torch import Tensor
 
 from corun import Batch, ConfigError, Dataset, RolloutContext, SetupContext
 from corun.engine import Engine, Generation, Sampling
-from trainers.hf.engines import EngineKind, EngineSettings, start_engine
+from trainers.hf.engines import EngineKind, start_engine
 from trainers.hf.evaluation import evaluate
 from trainers.hf.policy import ChatFormat, HFPolicy, left_pad
 from trainers.hf.rewards import Rewards
 from trainers.hf.state import hf_state, load_hf_state, load_model
 from trainers.hf.tasks import Example, WordProblems, eval_problems, prompt_batches, read_prompts
+from trainers.hf.vllm_engine import EngineOptions
 from trainers.lm.engine import Rollouts
 from trainers.lm.grpo import GRPOAlgorithm, GRPOConfig
 from trainers.lm.policy_gradient import PolicyGradientTrainer, Scored
@@ -54,7 +55,7 @@ class HFGRPOConfig(GRPOConfig, frozen=True, forbid_unknown_fields=True, kw_only=
     task: TaskName = "word-problems"  # type: ignore[assignment]  # data.path: a JSONL instead
     model: str  # "hf:<dir>": architecture, tokenizer, chat template (and weights, unless init_from)
     engine: EngineKind = "local"
-    engine_options: EngineSettings = EngineSettings()  # [trainer.engine_options]
+    engine_options: EngineOptions = EngineOptions()  # [trainer.engine_options]
     rewards: dict[str, float] = msgspec.field(default_factory=lambda: dict(DEFAULT_REWARDS))
     system_prompt: str = ""
     max_new_tokens: PositiveInt = 8
@@ -68,7 +69,7 @@ class HFPPOConfig(PPOConfig, frozen=True, forbid_unknown_fields=True, kw_only=Tr
     task: TaskName = "word-problems"  # type: ignore[assignment]
     model: str
     engine: EngineKind = "local"
-    engine_options: EngineSettings = EngineSettings()
+    engine_options: EngineOptions = EngineOptions()
     rewards: dict[str, float] = msgspec.field(default_factory=lambda: dict(DEFAULT_REWARDS))
     system_prompt: str = ""
     max_new_tokens: PositiveInt = 8

@@ -35,7 +35,7 @@ import random
 import re
 from collections.abc import AsyncIterator, Mapping, Sequence
 from contextlib import asynccontextmanager
-from typing import Any
+from typing import Annotated, Any
 
 import anyio
 import anyio.to_thread
@@ -47,20 +47,29 @@ from corun import ConfigError, Lane, cancel_point, stable_seed
 from corun.engine import EngineError, Finish, Generation, Sampling
 
 
-class VLLMConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):
-    """Settings of both vLLM engines."""
+class EngineOptions(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):
+    """``[trainer.engine_options]``: settings of both vLLM engines (the "local" engine
+    takes none)."""
 
-    model: str  # a Hugging Face model directory (config.json, safetensors, tokenizer)
-    max_model_len: int = 512  # prompt + completion tokens; vLLM sizes its buffers by it
-    kv_cache_gib: int = 1  # VLLM_CPU_KVCACHE_SPACE: the KV cache's memory on CPU
-    max_num_seqs: int = 64  # sequences vLLM batches at once
+    # Prompt + completion tokens; vLLM sizes its buffers by it (default: the model's).
+    max_model_len: Annotated[int, msgspec.Meta(ge=1)] | None = None
+    # VLLM_CPU_KVCACHE_SPACE: the KV cache's memory on CPU, GiB.
+    kv_cache_gib: Annotated[int, msgspec.Meta(ge=1)] = 1
+    max_num_seqs: Annotated[int, msgspec.Meta(ge=1)] = 256  # sequences batched at once
     seed: int = 0  # vLLM's own seed (every request also carries its own)
     # More vllm.LLM keyword arguments (in process) or api_server flags (server: the key
     # with "-" for "_"), e.g. {enable_prefix_caching = false}; a wrong one is exit 2.
     options: dict[str, Any] = msgspec.field(default_factory=dict)
     # Server only: start-up deadline, and the deadline of every HTTP call.
-    start_timeout_s: float = 180.0
-    request_timeout_s: float = 600.0
+    start_timeout_s: Annotated[float, msgspec.Meta(gt=0)] = 300.0
+    request_timeout_s: Annotated[float, msgspec.Meta(gt=0)] = 600.0
+
+
+class VLLMConfig(EngineOptions, frozen=True, forbid_unknown_fields=True, kw_only=True):
+    """An engine's settings and its model: a Hugging Face directory (config.json,
+    safetensors, tokenizer)."""
+
+    model: str
 
 
 def request_seed(seed: int, index: int) -> int:
@@ -351,7 +360,7 @@ def _build(config: VLLMConfig) -> Any:
     """Construct ``vllm.LLM`` (on the engine's lane) and undo its process-wide effects."""
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # the engine core in this process
     os.environ["VLLM_CPU_KVCACHE_SPACE"] = str(config.kv_cache_gib)
-    os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
+    os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")  # its warnings are about itself
     from vllm import LLM
 
     from trainers.hf.vllm_worker import BehaviourLogprobs
@@ -360,11 +369,13 @@ def _build(config: VLLMConfig) -> Any:
     states = (random.getstate(), torch.get_rng_state(), _numpy_state())
     kwargs: dict[str, Any] = {
         "model": config.model, "dtype": "float32", "enforce_eager": True,
-        "max_model_len": config.max_model_len, "max_num_seqs": config.max_num_seqs,
+        "max_num_seqs": config.max_num_seqs,
         "seed": config.seed, "distributed_executor_backend": "uni",
         "logprobs_mode": "processed_logits", "logits_processors": [BehaviourLogprobs],
         "generation_config": "vllm", "disable_log_stats": True,
     }  # fmt: skip
+    if config.max_model_len is not None:
+        kwargs["max_model_len"] = config.max_model_len
     clash = sorted(kwargs.keys() & config.options.keys())
     if clash:
         raise ConfigError(f"vLLM options: {', '.join(clash)} are set by corun (see VLLMConfig)")
