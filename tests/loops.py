@@ -32,7 +32,7 @@ def handwritten_loop(trainer_cls: type[T], config: corun.Config) -> tuple[T, lis
     corun.seed_everything(config.run.seed)
     trainer = trainer_cls(config)
     ctx = corun.SetupContext(config)
-    trainer.setup(ctx)
+    call(trainer.setup, ctx)
     data, loop, seed = trainer.dataset(), config.loop, config.run.seed
     window: list[tuple[corun.Batch, torch.Generator]] = []
     records = []
@@ -57,19 +57,23 @@ def handwritten_loop(trainer_cls: type[T], config: corun.Config) -> tuple[T, lis
         metrics = {f"train/{key}": sum(values) / len(values) for key, values in sums.items()}
         records.append({"step": index + 1, **metrics, **batch.metrics})
         if (index + 1) % loop.sync_every == 0:
-            trainer.sync_weights((index + 1) // loop.accumulate)
+            call(trainer.sync_weights, (index + 1) // loop.accumulate)
     return trainer, records
+
+
+def call(hook: Any, *args: Any) -> Any:
+    """A hook as a plain call; an ``async def`` one (an engine behind it) runs in an
+    event loop of its own (call this outside one)."""
+    if inspect.iscoroutinefunction(hook):
+        return anyio.run(hook, *args)
+    return hook(*args)
 
 
 def call_rollout(
     trainer: corun.Trainer[Any], inputs: Any, ctx: corun.RolloutContext
 ) -> corun.Batch:
-    """``trainer.rollout`` as a plain call; an ``async def`` one (agentic episodes) runs
-    in an event loop of its own (call this outside one)."""
-    if inspect.iscoroutinefunction(trainer.rollout):
-        result = anyio.run(trainer.rollout, inputs, ctx)
-    else:
-        result = trainer.rollout(inputs, ctx)
+    """``trainer.rollout`` as a plain call (see :func:`call`)."""
+    result = call(trainer.rollout, inputs, ctx)
     return result if isinstance(result, corun.Batch) else corun.Batch(result)
 
 
@@ -111,7 +115,7 @@ class Harness(Generic[T]):
         self.config = config
         self.trainer = trainer_cls(config)
         self.ctx = corun.SetupContext(config)
-        self.trainer.setup(self.ctx)
+        call(self.trainer.setup, self.ctx)
         self.data = self.trainer.dataset()
         self.updater = Updater(
             self.trainer, self.ctx.optimizers, window=1, mini_batches=1, seed=config.run.seed

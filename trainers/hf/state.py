@@ -10,13 +10,14 @@ checkpoint of.
 from __future__ import annotations
 
 import json
+import tempfile
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
 
 from corun import CheckpointError, ConfigError
-from corun.checkpoint import read
+from corun.checkpoint import latest, read
 from corun.prerequisites import checkpoint_for
 from trainers.hf.policy import HFPolicy, load_policy, quiet_transformers
 
@@ -77,7 +78,8 @@ def export(checkpoint: str, out: Path) -> Path:
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
     quiet_transformers()
-    path = checkpoint_for(checkpoint)
+    newest = latest(Path(checkpoint)) if Path(checkpoint).is_dir() else None
+    path = newest or checkpoint_for(checkpoint)
     _, tensors = read(path)
     state = tensors.get("trainer", {})
     if not isinstance(state.get("model_config"), str):
@@ -93,6 +95,12 @@ def export(checkpoint: str, out: Path) -> Path:
         tokenizer = AutoTokenizer.from_pretrained(source)
     except OSError as exc:
         raise ConfigError(f"{source}: the model's source directory is unreadable ({exc})") from None
-    model.save_pretrained(out)
-    tokenizer.save_pretrained(out)
+    if out.exists():
+        raise ConfigError(f"{out}: exists; export writes a new directory")
+    # Written beside ``out`` and renamed: an interrupted export leaves no half model.
+    out.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=out.parent, prefix=f".{out.name}-") as tmp:
+        model.save_pretrained(tmp)
+        tokenizer.save_pretrained(tmp)
+        Path(tmp).rename(out)
     return out
