@@ -31,6 +31,7 @@ import msgspec
 from corun import checkpoint, procs
 from corun.config import Config, to_toml
 from corun.config_file import load_config
+from corun.engine import EngineError
 from corun.errors import UsageError
 from corun.events import EVENTS_FILE, EventLog
 from corun.loop import run
@@ -114,6 +115,9 @@ async def _train(trainer: Trainer[Any], config: Config, serve_only: bool = False
         except UsageError as exc:
             print(f"corun: error: {exc}", file=sys.stderr)
             code = EXIT_USAGE
+        except EngineError as exc:  # the engine failed or died: its message says it all
+            print(f"corun: error: {exc}", file=sys.stderr)
+            code = EXIT_ERROR
         except Exception:
             traceback.print_exc()
             code = EXIT_ERROR

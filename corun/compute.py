@@ -66,6 +66,8 @@ class _Call(Generic[T]):
     def run(self) -> None:
         _lane_local.call = self
         try:
+            if self.cancel_requested.is_set():  # cancelled while queued: never start it
+                raise LaneCancelled()
             self.result = self.fn(*self.args)
         except BaseException as exc:  # handed to the awaiting task, which re-raises it
             self.error = exc

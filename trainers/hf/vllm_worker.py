@@ -20,10 +20,12 @@ top-p and Gumbel-max are all shift-invariant.
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 import sys
 import threading
 import time
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -54,8 +56,22 @@ def reload_state(worker: Any, state: dict[str, torch.Tensor]) -> None:
 
     ``reload_weights`` and not ``load_weights``: on CPU the loaded weights are repacked
     for oneDNN, so only a full reload (checkpoint format in, repacking again) works.
+    vLLM takes the tensors one at a time, so a failure names the tensor it was loading
+    (its own message is often empty: a bare AssertionError for a wrong shape).
     """
-    worker.model_runner.reload_weights(weights_iterator=iter(state.items()))
+    loading: list[str] = []
+
+    def weights() -> Iterator[tuple[str, torch.Tensor]]:
+        for name, tensor in state.items():
+            loading[:] = [f"{name} (shape {list(tensor.shape)})"]
+            yield name, tensor
+
+    try:
+        worker.model_runner.reload_weights(weights_iterator=weights())
+    except Exception as exc:
+        what = f"{type(exc).__name__}: {exc}" if str(exc).strip() else type(exc).__name__
+        at = f" at {loading[0]}" if loading else ""
+        raise RuntimeError(f"loading the weights failed{at}: {what}") from exc
 
 
 class WeightSync:
@@ -70,21 +86,38 @@ class WeightSync:
         return len(state)
 
 
-def _exit_with_parent(parent: int) -> None:
+PARENT_ENV = "CORUN_VLLM_PARENT"  # the pid of the process the server must not outlive
+WORKDIR_ENV = "CORUN_VLLM_WORKDIR"  # the engine's temporary directory (log, weights)
+
+
+def _exit_with_parent(parent: int, workdir: str) -> None:
     """Kill this process group when the parent dies (even by SIGKILL, which leaves the
-    parent no chance to stop its children): a server never outlives its run."""
+    parent no chance to stop its children): a server never outlives its run. Its
+    temporary directory goes too: nobody is left to read the log."""
     while os.getppid() == parent:
         time.sleep(0.5)
+    if os.path.basename(workdir).startswith("corun-vllm-"):  # only what vllm_server made
+        shutil.rmtree(workdir, ignore_errors=True)
     if os.getpgrp() == os.getpid():  # we lead our own group (corun.ChildProcess)
         os.killpg(os.getpgrp(), signal.SIGKILL)
     os.kill(os.getpid(), signal.SIGKILL)
+
+
+def watch_parent() -> None:
+    """Start the watch above on the parent named by ``CORUN_VLLM_PARENT`` (set by
+    vllm_server.py), else on the current parent. Named, because importing this module
+    (torch, vLLM) takes seconds: a parent that died meanwhile has already been replaced
+    by init, and ``os.getppid()`` read now would watch init forever."""
+    parent = int(os.environ.pop(PARENT_ENV, "0")) or os.getppid()
+    workdir = os.environ.pop(WORKDIR_ENV, "")
+    threading.Thread(target=_exit_with_parent, args=(parent, workdir), daemon=True).start()
 
 
 def main(argv: list[str]) -> None:
     """The server: vLLM's OpenAI API server with the parent watch above."""
     import runpy
 
-    threading.Thread(target=_exit_with_parent, args=(os.getppid(),), daemon=True).start()
+    watch_parent()
     sys.argv = ["vllm.entrypoints.openai.api_server", *argv]
     runpy.run_module("vllm.entrypoints.openai.api_server", run_name="__main__", alter_sys=True)
 
