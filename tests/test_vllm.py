@@ -19,6 +19,7 @@ itself releases it, and the next one starts a fresh engine (~3-7 s).
 from __future__ import annotations
 
 import copy
+import math
 import signal
 from collections.abc import Awaitable, Callable, Iterator
 from pathlib import Path
@@ -36,9 +37,11 @@ from corun.events import read_records
 from tests.conftest import make_config
 from tests.corun_process import CorunRun, assert_interrupted, start_corun
 from tests.test_cli import assert_usage_error
+from tests.test_resume import assert_state_equal
 from tests.vllm_helpers import assert_gone, children_of
 from trainers.hf.policy import ChatFormat, HFPolicy, load_policy
 from trainers.hf.rl import to_rollouts
+from trainers.hf.state import export
 from trainers.hf.tasks import eval_problems
 from trainers.hf.tiny import built_in
 from trainers.hf.vllm_engine import VLLMConfig, VLLMEngine
@@ -300,6 +303,44 @@ async def test_hf_grpo_run_with_vllm(
     engine_down = next(e for e in events if e["event"] == "teardown:engine")
     assert engine_down["status"] == "ok"
     assert VLLMEngine._live is None  # the run's teardown shut its engine down
+
+
+@pytest.mark.parametrize("anyio_backend", ["asyncio"])  # the backends: the test above
+@pytest.mark.anyio
+async def test_async_run_then_export_loads_in_vllm(
+    engines: Engines[VLLMEngine], model_dir: Path, tmp_path: Path, chat: ChatFormat,
+    anyio_backend: str,
+) -> None:  # fmt: skip
+    """Concurrency 2 with the decoupled correction: vLLM generates while the policy
+    trains (drained at syncs), batches are one version stale within the bound; the
+    checkpoint then exports to a directory vLLM serves with the trained weights."""
+    await engines.release()
+    config = make_config(
+        tmp_path / "run", hf_trainer(model_dir, off_policy_correction="decoupled"),
+        run={"steps": 6, "seed": 1}, data={"batch_size": 2},
+        loop={"baseline_eval": False, "concurrency": 2, "max_staleness": 1},
+    )  # fmt: skip
+    trainer = corun.resolve_trainer("hf_grpo")(config)
+    with anyio.fail_after(240):
+        await corun.run(trainer, config)
+    steps = [r for r in read_records(tmp_path / "run" / "metrics.jsonl") if "train/loss" in r]
+    assert len(steps) == 6 and all(math.isfinite(r["train/loss"]) for r in steps)
+    assert all(r["async/staleness_max"] <= 1 for r in steps)
+    assert any(r["async/staleness_max"] == 1 for r in steps)  # generation overlapped training
+    exported = export(str(tmp_path / "run"), tmp_path / "exported")
+    policy, _ = load_policy(f"hf:{exported}", "exported")
+    assert_state_equal(policy.weights(), trainer.policy.weights())  # type: ignore[attr-defined]
+    with anyio.fail_after(180):
+        engine = await VLLMEngine.start(VLLMConfig(model=str(exported)))
+        try:  # no weight update: what vLLM loaded from the directory is the trained policy
+            rows = prompts(chat)
+            sampling = sampling_of("full", chat)
+            rollouts = to_rollouts(rows, await engine.generate(rows, sampling, 0), chat.pad_id)
+            mask = rollouts.response_mask.float()
+            diff = max_diff(rollouts.logprobs, recompute(policy, rollouts, sampling), mask)
+            assert diff < TOLERANCE
+        finally:
+            await engine.shutdown()
 
 
 # ----------------------------------------------------------- through `corun train`
