@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import Any
 
 import anyio
+import anyio.to_thread
 import pytest
 import torch
 
@@ -50,13 +51,46 @@ async def test_cancel_point_stops_a_running_call() -> None:
 
 
 async def test_completed_call_returns_its_result_despite_cancellation() -> None:
+    """Cancelled while it runs, a call without cancel points completes; its caller
+    gets the result (the cancellation lands at the caller's next await)."""
     lane = Lane("t")
+    running, release = threading.Event(), threading.Event()
+
+    def work() -> int:
+        running.set()
+        release.wait(10)
+        return 42
+
     try:
         with anyio.fail_after(10):
             with anyio.CancelScope() as scope:
-                scope.cancel()  # cancelled before the call even starts
-                result = await lane.run(lambda: 42)  # no cancel point: it completes
+                async with anyio.create_task_group() as tasks:
+
+                    async def cancel_when_running() -> None:
+                        await anyio.to_thread.run_sync(running.wait)
+                        scope.cancel()
+                        release.set()
+
+                    tasks.start_soon(cancel_when_running)
+                    result = await lane.run(work)
             assert result == 42
+    finally:
+        lane.close()
+
+
+async def test_call_cancelled_while_queued_never_starts() -> None:
+    """A caller cancelled before its call started gets the cancellation, and the
+    call does not run: a loop of lane calls cannot outlive its cancellation."""
+    lane = Lane("t")
+    started: list[int] = []
+    try:
+        with anyio.fail_after(10):
+            with anyio.CancelScope() as scope:
+                scope.cancel()
+                await lane.run(started.append, 1)
+            assert scope.cancelled_caught
+            await lane.run(started.append, 2)  # the lane still serves the next call
+        assert started == [2]
     finally:
         lane.close()
 
