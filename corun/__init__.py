@@ -9,6 +9,7 @@ from corun.compute import Lane, cancel_point
 from corun.config import Config, TrainerConfig
 from corun.config_file import config_from_dict, load_config
 from corun.data import Dataset, ShuffledBatches, read_jsonl
+from corun.distributed import World, shared_count, world
 from corun.embed import training
 from corun.episodes import Environment, Episode, EpisodeInbox, Step
 from corun.errors import CheckpointError, ConfigError, DataError, UsageError
@@ -58,6 +59,7 @@ __all__ = [
     "Trainer",
     "TrainerConfig",
     "UsageError",
+    "World",
     "cancel_point",
     "config_from_dict",
     "generator",
@@ -67,7 +69,9 @@ __all__ = [
     "rollout_generator",
     "run",
     "seed_everything",
+    "shared_count",
     "stable_seed",
     "training",
     "update_generator",
+    "world",
 ]

@@ -17,7 +17,7 @@ from typing import Any
 import anyio
 import anyio.abc
 
-from corun import checkpoint
+from corun import checkpoint, distributed
 from corun.clock import Clock
 from corun.compute import Lane, blocking_io
 from corun.config import Config
@@ -42,6 +42,9 @@ class Checkpointer:
         self.state = state  # the tensors to save, as live references
         self.last_saved = clock.step if resumed else -1
         self.error: BaseException | None = None
+        # Under torchrun the state is replicated: rank 0's is the whole state, and only
+        # rank 0 writes it (a checkpoint that loads at any world size).
+        self.writes = distributed.world().writes
         self._pending = 0
         self._done = anyio.Event()
         self._tasks: anyio.abc.TaskGroup | None = None
@@ -54,6 +57,9 @@ class Checkpointer:
     async def save(self) -> None:
         """Snapshot now (the weights keep training), write in the background."""
         assert self._tasks is not None, "attach() the checkpointer to a task group first"
+        if not self.writes:
+            self.last_saved = self.clock.step
+            return
         with self.trace.span("snapshot", "trainer"):
             tensors = await self.lane.run(_snapshot, self.state)
         clock = self.clock

@@ -8,6 +8,14 @@ latest checkpoint, or its initial weights — without training, and prints
 Exit status: 0 done, 1 training error, 2 usage or config error (one line, no
 traceback), 130 after SIGINT, 143 after SIGTERM.
 
+Data parallel: with ``run.nproc`` = N > 1, ``corun train`` launches torchrun with N
+ranks (corun/launch.py); under torchrun (``torchrun --nproc-per-node N -m corun train
+...``) each rank joins the process group first. Only rank 0 writes to the run
+directory; the others keep their events, metrics and trace in a scratch directory
+(``$CORUN_RANK_DIR/rank-<r>`` when set, else a temporary one removed at exit) and read
+the checkpoint rank 0 resumes from. A rank leaves with ``os._exit`` after its
+teardown: a collective its peers abandoned must not hold the interpreter's exit.
+
 Signals: the first SIGINT/SIGTERM stops the run (teardown runs in full, with a save
 if configured) and arms a hard deadline (``run.hard_deadline_s``) after which the
 process ends whatever hangs; a second skips the optional teardown steps; a third
@@ -19,16 +27,19 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import shutil
 import signal
 import sys
+import tempfile
 import threading
 import traceback
+from pathlib import Path
 from typing import Any, NoReturn
 
 import anyio
 import msgspec
 
-from corun import checkpoint, procs
+from corun import checkpoint, distributed, launch, procs
 from corun.config import Config, to_toml
 from corun.config_file import load_config
 from corun.engine import EngineError
@@ -76,6 +87,12 @@ def main(argv: list[str] | None = None) -> int:
         serve_only = args.command == "serve"
         if serve_only:
             config = _serve_config(config)
+        if config.run.nproc > 1 and not distributed.launched_size() and not serve_only:
+            trainer = resolve_trainer(config.trainer.kind)(config)
+            distributed.check_supported(trainer, config, config.run.nproc)
+            return launch.launch(args.config, args.overrides, config)
+        if distributed.launched_size() > 1:
+            return _rank_main(config, serve_only)
         trainer = resolve_trainer(config.trainer.kind)(config)
         return anyio.run(_train, trainer, config, serve_only, backend=config.run.backend)
     except UsageError as exc:
@@ -83,6 +100,53 @@ def main(argv: list[str] | None = None) -> int:
         return EXIT_USAGE
     except KeyboardInterrupt:  # before the run's own handler was installed
         return _SIGNAL_EXIT["SIGINT"]
+
+
+def _rank_main(config: Config, serve_only: bool) -> int:
+    """One torchrun rank: join the group, train (rank 0 owning the run directory), leave."""
+    world = distributed.init(config.run.collective_timeout_s)
+    scratch: Path | None = None
+    code = EXIT_ERROR
+    try:
+        trainer = resolve_trainer(config.trainer.kind)(config)
+        distributed.check_supported(trainer, config, world.size)
+        if not world.writes:
+            scratch = _scratch_dir(world.rank)
+            config = _rank_config(config, scratch)
+            trainer = resolve_trainer(config.trainer.kind)(config)
+        code = anyio.run(_train, trainer, config, serve_only, backend=config.run.backend)
+    except UsageError as exc:
+        print(f"corun: error: rank {world.rank}: {exc}", file=sys.stderr)
+        code = EXIT_USAGE
+    finally:
+        distributed.finish(clean=code == EXIT_OK)
+        if scratch is not None and not os.environ.get("CORUN_RANK_DIR"):
+            shutil.rmtree(scratch, ignore_errors=True)
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+
+
+def _scratch_dir(rank: int) -> Path:
+    root = os.environ.get("CORUN_RANK_DIR")
+    if not root:
+        return Path(tempfile.mkdtemp(prefix=f"corun-rank{rank}-"))
+    path = Path(root) / f"rank-{rank}"
+    shutil.rmtree(path, ignore_errors=True)
+    return path
+
+
+def _rank_config(config: Config, scratch: Path) -> Config:
+    """A rank other than 0: its records in ``scratch``, resuming from the checkpoint
+    rank 0 resumes from, no progress display and no wandb."""
+    resume = checkpoint.resume_point(config)
+    replace = msgspec.structs.replace
+    return replace(
+        config,
+        run=replace(config.run, dir=str(scratch)),
+        checkpoint=replace(config.checkpoint, resume=str(resume) if resume else False),
+        log=replace(config.log, progress="off", wandb="disabled"),
+    )
 
 
 def _terminate_before_run(signum: int, frame: object) -> None:
@@ -115,7 +179,7 @@ async def _train(trainer: Trainer[Any], config: Config, serve_only: bool = False
         except UsageError as exc:
             print(f"corun: error: {exc}", file=sys.stderr)
             code = EXIT_USAGE
-        except EngineError as exc:  # the engine failed or died: its message says it all
+        except (EngineError, distributed.CollectiveError) as exc:  # its message says it all
             print(f"corun: error: {exc}", file=sys.stderr)
             code = EXIT_ERROR
         except Exception:

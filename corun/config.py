@@ -38,6 +38,12 @@ class RunConfig(Section, frozen=True, forbid_unknown_fields=True, kw_only=True):
     teardown_timeout_s: PositiveFloat = 30.0
     # After the first SIGINT/SIGTERM the process ends by this deadline, whatever hangs.
     hard_deadline_s: PositiveFloat = 60.0
+    # Data-parallel processes on this machine: `corun train` launches torchrun with
+    # this many ranks (corun/launch.py); 1 trains in this process.
+    nproc: PositiveInt = 1
+    # A collective (gradient all-reduce) that takes longer fails the run: a dead or
+    # hung rank ends it within this time instead of hanging it.
+    collective_timeout_s: PositiveFloat = 300.0
 
 
 class LoopConfig(Section, frozen=True, forbid_unknown_fields=True, kw_only=True):
@@ -135,6 +141,28 @@ class LoopConfig(Section, frozen=True, forbid_unknown_fields=True, kw_only=True)
         return self.sync_interval or self.accumulate
 
 
+class RolloutConfig(Section, frozen=True, forbid_unknown_fields=True, kw_only=True):
+    """``[rollout]``: where the rollout workers (``loop.workers``) run (corun/ray_workers.py)."""
+
+    # "thread": a compute lane per worker in this process. "ray": a Ray actor per
+    # worker, each with the trainer's rollout side (its engine replica); needs the
+    # `ray` extra and a trainer with rollout_weights/load_rollout_weights.
+    backend: Literal["thread", "ray"] = "thread"
+    # An existing Ray cluster ("ray://host:10001", "host:6379", "auto"); empty: corun
+    # starts a local one for the run (in a process group it owns) and stops it after.
+    address: str = ""
+    # CPUs of the local cluster; unset: one per worker (actor_cpus each).
+    num_cpus: PositiveInt | None = None
+    actor_cpus: Annotated[float, msgspec.Meta(ge=0)] = 1.0
+    # A rollout call that takes longer counts as a dead worker (its actor is killed).
+    call_timeout_s: PositiveFloat = 600.0
+    # Cluster start, actor start (model build) and each actor's shutdown.
+    start_timeout_s: PositiveFloat = 120.0
+    # A worker that died mid-rollout: "redo" its batch on a live worker (the run fails
+    # only when none is left), or "fail" the run with one line.
+    on_worker_lost: Literal["redo", "fail"] = "redo"
+
+
 class CheckpointConfig(Section, frozen=True, forbid_unknown_fields=True, kw_only=True):
     # true: resume from the latest complete checkpoint in run.dir if there is one;
     # false: start fresh (refused if run.dir already holds checkpoints);
@@ -190,6 +218,7 @@ class Config(Section, frozen=True, forbid_unknown_fields=True, kw_only=True):
     log: LogConfig = LogConfig()
     data: DataConfig = DataConfig()
     serve: ServeConfig = ServeConfig()
+    rollout: RolloutConfig = RolloutConfig()
 
     @property
     def run_dir(self) -> Path:

@@ -26,7 +26,7 @@ from typing import Any
 
 import anyio
 
-from corun import checkpoint, guest, prerequisites
+from corun import checkpoint, distributed, guest, prerequisites
 from corun.cadence import Cadence
 from corun.checkpointer import Checkpointer
 from corun.clock import Clock, IdleTimes
@@ -36,6 +36,7 @@ from corun.config_file import load_config
 from corun.errors import CheckpointError, ConfigError, first_error, is_cancellation
 from corun.events import EventLog, Trace
 from corun.producer import Producer
+from corun.ray_workers import RayWorkers
 from corun.registry import resolve_trainer
 from corun.reporting import Reporter
 from corun.rng import seed_everything
@@ -109,11 +110,8 @@ class _Run:
         # hand-written loop); above it, each rollout worker has a lane of its own.
         threads = loop.lane_threads
         self.train_lane = Lane("train", loop.compute, threads)
-        self.rollout_lanes = (
-            [self.train_lane]
-            if loop.concurrency == 1
-            else [Lane(f"rollout-{i}", loop.compute, threads) for i in range(loop.workers)]
-        )
+        lanes = [Lane(f"rollout-{i}", loop.compute, threads) for i in range(loop.workers)]
+        self.rollout_lanes = [self.train_lane] if loop.concurrency == 1 else lanes
         self.reporter = Reporter(config, self.run_dir, self.clock.step if restored else 0)
         self.kept: dict[str, Stateful] = {}
         self.checkpointer = Checkpointer(
@@ -187,10 +185,12 @@ class _Run:
         self.events.emit("setup", self.clock.step)
         self.kept = ctx.kept
         self.updater = self._updater(ctx)
-        self.dataset = trainer.dataset()
+        self.dataset = distributed.sharded(trainer.dataset())  # the rank's slice of each batch
         if self.restored is not None:
             await self._restore(*self.restored)
         self.reporter.start_wandb(self.run_id, trainer.wandb_extra())
+        self.remote = await RayWorkers.open(trainer, config, len(self.rollout_lanes), self.clock,
+                                            self.events, self.train_lane, teardown)  # fmt: skip
         teardown.push("checkpoints", self.checkpointer.drain)
         teardown.push("save", self._save_on_interrupt, optional=True)
 
@@ -271,7 +271,8 @@ class _Run:
         async with anyio.create_task_group() as producers:
             producer = Producer(
                 self.trainer, self.dataset, self.rollout_lanes, self.clock, self.idle,
-                self.trace, self.config, stop=self.config.run.steps,
+                self.trace, distributed.rollout_config(self.config),
+                stop=self.config.run.steps, remote=self.remote,
             )  # fmt: skip
             producers.start_soon(producer.run, send)
             async with receive:
@@ -346,6 +347,8 @@ class _Run:
         started = time.monotonic()
         with self.trace.span("sync", "trainer", version=version):
             await call_hook(self.train_lane, self.trainer.sync_weights, version)
+            if self.remote is not None:
+                await self.remote.publish(version)
         self.clock.publish(version)
         fields = {"forced": True} if forced else {}
         self.events.emit("sync", self.clock.step, version=version, **fields)

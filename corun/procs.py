@@ -1,8 +1,9 @@
 """Child processes (rollout engines, servers) that never outlive the run.
 
-Each child starts in its own process group, so stopping it stops everything it
-spawned. ``stop`` is bounded: SIGTERM to the group, then SIGKILL after a grace
-period. Every live group is also killed by the CLI's hard-deadline exit.
+Each child starts in its own session and process group, so stopping it stops
+everything it spawned (the session's members that left the group too). ``stop`` is
+bounded: SIGTERM to the group, then SIGKILL after a grace period. Every live group
+is also killed by the CLI's hard-deadline exit.
 """
 
 from __future__ import annotations
@@ -47,10 +48,34 @@ class ChildProcess:
 
 
 def _signal_group(pid: int, sig: signal.Signals) -> None:
+    """Signal the child's process group, and the processes of its session that moved
+    to groups of their own (Ray's workers do)."""
     try:
         os.killpg(pid, sig)
     except (ProcessLookupError, PermissionError):
         pass
+    for member in _session_members(pid):
+        try:
+            os.kill(member, sig)
+        except (ProcessLookupError, PermissionError):
+            pass
+
+
+def _session_members(sid: int) -> list[int]:
+    """Processes of session ``sid`` (Linux /proc; none found elsewhere)."""
+    members = []
+    for entry in os.scandir("/proc") if os.path.isdir("/proc") else ():
+        if not entry.name.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry.name}/stat", "rb") as f:
+                # pid (comm) state ppid pgrp session: comm may hold spaces and parens.
+                fields = f.read().rsplit(b")", 1)[1].split()
+        except OSError:
+            continue
+        if int(fields[3]) == sid and int(entry.name) != sid:
+            members.append(int(entry.name))
+    return members
 
 
 def kill_all() -> None:

@@ -22,6 +22,7 @@ from corun.compute import Lane
 from corun.config import Config
 from corun.data import Dataset
 from corun.events import Trace
+from corun.ray_workers import RayWorkers
 from corun.rng import rollout_generator
 from corun.trainer import Batch, RolloutContext, Trainer
 
@@ -42,6 +43,7 @@ class Producer:
     def __init__(
         self, trainer: Trainer[Any], dataset: Dataset, lanes: list[Lane], clock: Clock,
         idle: IdleTimes, trace: Trace, config: Config, stop: int,
+        remote: RayWorkers | None = None,
     ) -> None:  # fmt: skip
         self.trainer = trainer
         self.dataset = dataset
@@ -53,6 +55,7 @@ class Producer:
         self.seed = config.run.seed
         self.fixed_schedule = config.loop.version_schedule == "fixed"
         self.stop = stop  # one past the last data index of the run
+        self.remote = remote  # Ray actors run the rollouts, one per worker, not the lanes
         # An async rollout (an engine behind I/O) runs on the loop, with no thread hop.
         self.rollout_is_async = inspect.iscoroutinefunction(trainer.rollout)
         self._next_new = clock.cursor
@@ -68,7 +71,7 @@ class Producer:
         async with send, anyio.create_task_group() as workers:
             for i, lane in enumerate(self.lanes):
                 track = "producer" if len(self.lanes) == 1 else f"producer-{i}"
-                workers.start_soon(self._work, lane, track, send)
+                workers.start_soon(self._work, i, lane, track, send)
 
     def requeue(self, index: int) -> None:
         """Generate ``index`` again: its batch was dropped."""
@@ -77,7 +80,9 @@ class Producer:
         self._work_added.set()
         self._work_added = anyio.Event()
 
-    async def _work(self, lane: Lane, track: str, send: anyio.abc.ObjectSendStream[Batch]) -> None:
+    async def _work(
+        self, worker: int, lane: Lane, track: str, send: anyio.abc.ObjectSendStream[Batch]
+    ) -> None:
         while True:
             index, slot = await self._claim()
             started = time.monotonic()
@@ -90,7 +95,10 @@ class Producer:
             )  # fmt: skip
             version = self.clock.published if scheduled is None else scheduled
             with self.trace.span("rollout", track, index=index):
-                if self.rollout_is_async:
+                if self.remote is not None:
+                    inputs = self.dataset.batch(index)
+                    result = await self.remote.rollout(worker, inputs, ctx, version)
+                elif self.rollout_is_async:
                     result = await self._rollout_at(ctx)
                 else:
                     result = await lane.run(self._rollout_at, ctx)

@@ -230,6 +230,10 @@ class Trainer(Generic[C]):
     """Base of every trainer. ``Config`` is the trainer's own settings Struct."""
 
     Config: ClassVar[type[TrainerConfig]] = TrainerConfig
+    # Trains under torchrun (world size > 1): its data batches are sequences the
+    # runtime may slice by rank, and every loss that averages over rows or tokens
+    # divides by ``corun.shared_count`` of its local count (corun/distributed.py).
+    data_parallel: ClassVar[bool] = False
 
     def __init__(self, config: CorunConfig) -> None:
         self.run_config = config

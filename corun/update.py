@@ -10,7 +10,11 @@ One owner for what every gradient trainer would otherwise write again:
   backpropagated one at a time into the same gradients (memory), with cancel points
   between them;
 - before each step every registered optimizer's gradients are clipped to its
-  ``grad_clip`` (global norm).
+  ``grad_clip`` (global norm);
+- under torchrun (world size > 1) each rank backpropagates its shard of the batch and
+  the gradients are averaged over the ranks before clipping (DDP's semantics, one
+  all-reduce per step; corun/distributed.py), and the step's metrics are averaged
+  over the ranks, so every rank applies the same update and logs the same values.
 
 Work happens as early as the weights allow: mini-batch 0 of a batch is backpropagated
 when the batch arrives (its weights are the window's start), the window's other
@@ -33,6 +37,7 @@ from typing import Any
 
 import torch
 
+from corun import distributed
 from corun.compute import cancel_point
 from corun.rng import update_generator
 from corun.trainer import DEFAULT_OPTIMIZER, Batch, OptimizerSpec, Part, Trainer, overrides
@@ -51,6 +56,7 @@ class Updater:
         self.mini_batches = mini_batches
         self.seed = seed
         self.prepares = overrides(trainer, "prepare")
+        self.world = distributed.world()
         # The window's batches so far, with their update generators: mini-batches
         # after the first revisit them once the step before has been applied.
         self._pending: list[tuple[Batch, torch.Generator]] = []
@@ -70,13 +76,19 @@ class Updater:
         self._backward(batch, 0, generator, sums, cancellable=True)
         if window_pos == self.window - 1:
             sums.norms(self._step())
-            for mini in range(1, self.mini_batches):
-                self._zero_grad()
-                for pending, pending_generator in self._pending:
-                    self._backward(pending, mini, pending_generator, sums, cancellable=False)
-                sums.norms(self._step())
+            with distributed.uncancellable():  # a step has been applied
+                for mini in range(1, self.mini_batches):
+                    self._zero_grad()
+                    for pending, pending_generator in self._pending:
+                        self._backward(pending, mini, pending_generator, sums, cancellable=False)
+                    sums.norms(self._step())
             self._pending.clear()
-        return sums.means()
+        if not self.world.parallel:
+            return sums.means()
+        with distributed.uncancellable():
+            batch.metrics = distributed.mean_metrics(batch.metrics)
+            means = distributed.mean_metrics(sums.means())
+        return {**means, "perf/collective_time_s": distributed.take_collective_s()}
 
     def _backward(
         self, batch: Batch, mini: int, generator: torch.Generator, sums: _MetricSums,
@@ -100,6 +112,8 @@ class Updater:
 
     def _step(self) -> dict[str, float]:
         """Clip each optimizer's gradients, step it; the norms before clipping."""
+        if self.world.parallel:  # every rank steps on the mean of the ranks' gradients
+            distributed.average_gradients([p for spec in self.optimizers for p in spec.params])
         norms = {}
         for spec in self.optimizers:
             limit = spec.grad_clip if spec.grad_clip > 0 else float("inf")

@@ -8,6 +8,7 @@ import os
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -43,15 +44,8 @@ def test_engines_benchmark_quick(tmp_path: Path) -> None:
     """All three engines and the GRPO breakdown, end to end; no process of the run is
     left behind (the server is a process group, the GRPO run a child)."""
     pytest.importorskip("vllm")
-    out, tag = tmp_path / "figures.json", f"corun-engines-test-{os.getpid()}"
-    result = subprocess.run(
-        [sys.executable, "-m", "benchmarks.engines", "--quick", "--json", str(out)],
-        cwd=ROOT, capture_output=True, text=True, timeout=600,
-        env={**os.environ, "CORUN_BENCHMARK_TAG": tag},
-    )  # fmt: skip
-    assert result.returncode == 0, result.stderr[-2000:]
-    assert "vs local" in result.stdout and "outside the hooks" in result.stdout
-    figures = json.loads(out.read_text())
+    stdout, figures, tag = _quick_benchmark("engines", tmp_path, timeout=600)
+    assert "vs local" in stdout and "outside the hooks" in stdout
     assert {(g["engine"], g["batch"]) for g in figures["generation"]} == {
         (e, b) for e in ("local", "vllm", "vllm-server") for b in figures["settings"]["batches"]
     }
@@ -70,3 +64,38 @@ def _processes_with(entry: bytes) -> list[int]:
         except OSError:  # gone, or not ours to read
             pass
     return found
+
+
+@pytest.mark.slow
+def test_ray_workers_benchmark_quick(tmp_path: Path) -> None:
+    """Ray vs thread rollout workers: per-batch overhead and weight-publish time,
+    printed as ratios of one run; the local Ray it starts leaves no process behind."""
+    pytest.importorskip("ray")
+    stdout, figures, tag = _quick_benchmark("ray_workers", tmp_path, timeout=300)
+    assert "ray/thread" in stdout and "put/in-process" in stdout
+    (row,) = figures["rows"]
+    assert row["thread_ms"] > 0 and row["ray_ms"] > 0 and row["put_ms"] > 0
+    assert _processes_with(f"CORUN_BENCHMARK_TAG={tag}".encode()) == []
+
+
+def _quick_benchmark(name: str, tmp_path: Path, timeout: float) -> tuple[str, Any, str]:
+    """``python -m benchmarks.<name> --quick --json``, tagged in its environment so
+    that leftover processes can be found: its stdout, its figures and the tag."""
+    out, tag = tmp_path / "figures.json", f"corun-{name}-test-{os.getpid()}"
+    result = subprocess.run(
+        [sys.executable, "-m", f"benchmarks.{name}", "--quick", "--json", str(out)],
+        cwd=ROOT, capture_output=True, text=True, timeout=timeout,
+        env={**os.environ, "CORUN_BENCHMARK_TAG": tag},
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr[-2000:]
+    return result.stdout, json.loads(out.read_text()), tag
+
+
+@pytest.mark.slow
+def test_distributed_benchmark_quick(tmp_path: Path) -> None:
+    """World size 1 vs 2 (torchrun, gloo): steps/s and collective time per step."""
+    stdout, figures, _ = _quick_benchmark("distributed", tmp_path, timeout=300)
+    assert "collective ms/step" in stdout
+    assert {(r["kind"], r["nproc"]) for r in figures} == {
+        (k, n) for k in ("sft", "grpo") for n in (1, 2)
+    }

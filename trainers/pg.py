@@ -14,6 +14,7 @@ padding, holes, rows with no tokens).
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Literal, get_args
 
 import torch
@@ -136,7 +137,10 @@ def decoupled_surrogate(
     return weights * loss, clipped, weights
 
 
-def aggregate(loss: Tensor, mask: Tensor, mode: LossAggregation) -> Tensor:
+def aggregate(
+    loss: Tensor, mask: Tensor, mode: LossAggregation,
+    shared: Callable[[Tensor], Tensor] | None = None,
+) -> Tensor:  # fmt: skip
     """Reduce per-token losses (B, T) to a scalar.
 
     token-mean: every token weighs the same (long answers weigh more);
@@ -147,18 +151,22 @@ def aggregate(loss: Tensor, mask: Tensor, mode: LossAggregation) -> Tensor:
     must not shrink because some rows were masked out entirely. With no tokens at all
     the result is 0 with a zero gradient (older verl gave NaN for an empty row in
     seq-mean-token-mean). Losses on padding never count, even inf or NaN ones.
+
+    ``shared`` maps the local denominator (tokens or sequences) to the one to divide by:
+    under torchrun ``corun.shared_count``, so the ranks' mean gradient is the global mean's.
     """
     if mode not in get_args(LossAggregation):
         raise ValueError(f"unknown loss aggregation {mode!r}")
     keep = mask.bool()
     per_token = torch.where(keep, loss, 0.0)  # not loss · mask: 0 · inf is NaN
     lengths = keep.sum(dim=1)
+    shared = shared or (lambda count: count)
     if mode == "token-mean":
-        return per_token.sum() / lengths.sum().clamp(min=1)
+        return per_token.sum() / shared(lengths.sum()).clamp(min=1)
     per_sequence = per_token.sum(dim=1)
     if mode == "seq-mean-token-mean":
         per_sequence = per_sequence / lengths.clamp(min=1)
-    return per_sequence.sum() / (lengths > 0).sum().clamp(min=1)
+    return per_sequence.sum() / shared((lengths > 0).sum()).clamp(min=1)
 
 
 def kl_k3(logp: Tensor, ref_logp: Tensor, *, clamp: float | None = None) -> Tensor:

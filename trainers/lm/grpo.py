@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from corun import RolloutContext
+from corun import ConfigError, RolloutContext, SetupContext, world
 from trainers.lm.engine import Rollouts
 from trainers.lm.policy_gradient import PolicyGradientTrainer, RLConfig, Scored
 from trainers.lm.rl import LMPolicyTrainer
@@ -65,6 +65,15 @@ class GRPOAlgorithm(PolicyGradientTrainer[GRPOConfig]):
 
 class GRPOTrainer(GRPOAlgorithm, LMPolicyTrainer[GRPOConfig]):
     Config = GRPOConfig
+    data_parallel = True  # rows are whole groups of a prompt; the loss uses shared_count
+
+    def setup(self, ctx: SetupContext) -> None:
+        if self.config.dynamic_sampling and world().parallel:
+            raise ConfigError(
+                "`$.trainer.dynamic_sampling`: not under data-parallel training yet (each "
+                "rank would refill its own groups); set it to false or run.nproc = 1"
+            )
+        super().setup(ctx)
 
     def prompt_rounds(self) -> int:
         return self.config.max_sampling_rounds if self.config.dynamic_sampling else 1

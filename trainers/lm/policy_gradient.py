@@ -21,7 +21,7 @@ import torch
 from msgspec.structs import asdict
 from torch import Tensor
 
-from corun import Batch, ConfigError, Part, SetupContext, Trainer
+from corun import Batch, ConfigError, Part, SetupContext, Trainer, shared_count
 from corun.prerequisites import is_config
 from trainers.lm.engine import LocalEngine, Rollouts
 from trainers.lm.model import TinyLM
@@ -204,7 +204,15 @@ class PolicyGradientTrainer(Trainer[C]):
         return engine
 
     def sync_weights(self, version: int) -> None:
-        self.replicas.sync(self.policy.state_dict(), version)
+        self.replicas.sync(self.rollout_weights(), version)
+
+    # Rollout workers in other processes (corun/ray_workers.py): what a publish sends,
+    # and where a worker's trainer puts it (its engine, updated in place).
+    def rollout_weights(self) -> dict[str, Tensor]:
+        return self.policy.state_dict()
+
+    def load_rollout_weights(self, state: dict[str, Tensor], version: int) -> None:
+        self.replicas.sync(state, version)
 
     def wandb_extra(self) -> dict[str, Any]:
         return {"model/num_params": self.policy.num_params()}
@@ -266,7 +274,7 @@ def clipped_policy_loss(
         metrics["kl"] = _masked_mean(kl.detach(), mask)
     else:
         metrics["kl"] = _masked_mean(kl_k3(logp.detach(), rollouts.logprobs), mask)
-    return aggregate(loss_tok, mask, settings.loss_agg), metrics, hidden
+    return aggregate(loss_tok, mask, settings.loss_agg, shared_count), metrics, hidden
 
 
 def _masked_mean(values: Tensor, mask: Tensor) -> float:

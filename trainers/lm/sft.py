@@ -23,6 +23,7 @@ from corun import (
     ShuffledBatches,
     Trainer,
     read_jsonl,
+    shared_count,
 )
 from trainers.lm.policy import (
     HeldOutEval,
@@ -74,6 +75,7 @@ class SFTRecord(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
 
 class SFTTrainer(Trainer[SFTConfig]):
     Config = SFTConfig
+    data_parallel = True
 
     def setup(self, ctx: SetupContext) -> None:
         # The runtime has seeded the global RNGs with run.seed: the model init draws from them.
@@ -109,9 +111,10 @@ class SFTTrainer(Trainer[SFTConfig]):
 
     def loss(self, batch: Batch, part: Part) -> tuple[torch.Tensor, dict[str, float]]:
         # Token mean over the whole mini-batch, not per chunk: the update is the same
-        # for any micro_batches (up to float rounding).
+        # for any micro_batches (up to float rounding), and under torchrun the tokens of
+        # every rank's shard (shared_count).
         tokens: TokenBatch = batch.data
-        num_tokens = int(tokens.loss_mask[part.mini_rows(len(tokens))].sum())
+        num_tokens = shared_count(tokens.loss_mask[part.mini_rows(len(tokens))].sum())
         chunk = tokens.rows(part.rows(len(tokens)))
         self.model.train()
         return masked_loss_sum(self.model(chunk.inputs), chunk) / num_tokens, {}

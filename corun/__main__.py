@@ -1,0 +1,7 @@
+"""``python -m corun``: the ``corun`` command (what torchrun's ``-m corun`` runs per rank)."""
+
+import sys
+
+from corun.cli import main
+
+sys.exit(main())
