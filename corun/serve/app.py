@@ -19,7 +19,7 @@ from typing import Any, TypeVar
 import msgspec
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
-from starlette.requests import Request
+from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
@@ -52,6 +52,8 @@ def build_app(policy: ServedPolicy, batcher: Batcher, recorder: Recorder, token:
                 result = await handler(request)
             except ServeError as exc:
                 return JSONResponse(exc.body(), status_code=exc.status)
+            except ClientDisconnect:  # gone mid-body (e.g. the run is stopping): no one to answer
+                return Response(status_code=499)
             return result if isinstance(result, Response) else _json(result)
 
         return endpoint
