@@ -10,6 +10,7 @@ vLLM's CPU attention takes head sizes 32, 64, 80, ... only, hence ``head_dim`` 3
 from __future__ import annotations
 
 import argparse
+import fcntl
 import tempfile
 from pathlib import Path
 
@@ -70,16 +71,16 @@ BUILT_IN_DIR = Path("runs/models/tiny-llama")
 def built_in() -> Path:
     """The built-in tiny model's directory (under the working directory), written on
     first use; written to a temporary sibling and renamed, so an interrupted build
-    never leaves half a model behind."""
+    never leaves half a model behind, under a file lock, so processes starting
+    together (data-parallel ranks, test workers) build it once."""
     if not (BUILT_IN_DIR / "config.json").is_file():
         BUILT_IN_DIR.parent.mkdir(parents=True, exist_ok=True)
-        with tempfile.TemporaryDirectory(dir=BUILT_IN_DIR.parent) as tmp:
-            build(Path(tmp) / "model")
-            try:
-                (Path(tmp) / "model").rename(BUILT_IN_DIR)
-            except OSError:  # another process finished first
-                if not (BUILT_IN_DIR / "config.json").is_file():
-                    raise
+        with open(BUILT_IN_DIR.parent / ".tiny-llama.lock", "w") as lock:
+            fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes
+            if not (BUILT_IN_DIR / "config.json").is_file():
+                with tempfile.TemporaryDirectory(dir=BUILT_IN_DIR.parent) as tmp:
+                    build(Path(tmp) / "model")
+                    (Path(tmp) / "model").rename(BUILT_IN_DIR)
     return BUILT_IN_DIR
 
 
