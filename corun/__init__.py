@@ -9,7 +9,7 @@ from corun.compute import Lane, cancel_point
 from corun.config import Config, TrainerConfig
 from corun.config_file import config_from_dict, load_config
 from corun.data import Dataset, ShuffledBatches, read_jsonl
-from corun.distributed import World, shared_count, world
+from corun.distributed import World, shared_count, shared_mean_std, world
 from corun.embed import training
 from corun.episodes import Environment, Episode, EpisodeInbox, Step
 from corun.errors import CheckpointError, ConfigError, DataError, UsageError
@@ -70,6 +70,7 @@ __all__ = [
     "run",
     "seed_everything",
     "shared_count",
+    "shared_mean_std",
     "stable_seed",
     "training",
     "update_generator",

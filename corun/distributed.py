@@ -18,7 +18,8 @@ checkpoint loads at any world size. What the ranks do differently:
 
 A loss that averages over tokens divides by :func:`shared_count` of its local count
 (the count over all ranks / ``W``), so the mean of the ranks' gradients is the
-gradient of the global token mean. A collective that does not complete within the
+gradient of the global token mean; a statistic of the whole batch (PPO's advantage
+whitening) comes from :func:`shared_mean_std`. A collective that does not complete within the
 timeout, or whose peer is gone, raises :class:`CollectiveError` (one line); a stop
 (Ctrl-C) while waiting abandons the wait at once, before anything was applied.
 """
@@ -45,6 +46,8 @@ from corun.config import Config
 from corun.errors import ConfigError
 from corun.rng import stable_seed
 
+# The kinds that opt in (``data_parallel = True``), for the refusal's message.
+SUPPORTED = "sft, grpo, ppo, agentic_sft, agentic, agentic_ppo, hf_sft, hf_grpo, hf_ppo"
 _POLL_S = 0.0005  # how often a pending collective is checked (and a stop noticed)
 _PR_SET_PDEATHSIG = 1
 
@@ -121,7 +124,7 @@ def check_supported(trainer: Any, config: Config, size: int) -> None:
     if not getattr(trainer, "data_parallel", False):
         raise ConfigError(
             f"`$.trainer.kind` = {kind!r} does not support data-parallel training yet "
-            f"({size} processes); supported: sft, grpo — run it with run.nproc = 1"
+            f"({size} processes); supported: {SUPPORTED} — run it with run.nproc = 1"
         )
     if config.data.batch_size % size:
         raise ConfigError(
@@ -250,6 +253,23 @@ def shared_count(count: torch.Tensor) -> torch.Tensor:
     total = count.detach().to(torch.float64).reshape(1).clone()
     all_reduce_sum(total, "token count all-reduce")
     return (total / w.size).to(count.dtype if count.is_floating_point() else torch.float32)[0]
+
+
+def shared_mean_std(values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The mean and the unbiased std of the 1-D ``values`` over every rank's values, for a
+    statistic of the whole batch (PPO's advantage whitening): ``values.mean()`` and
+    ``values.std()`` at world size 1. Collectives: every rank calls it the same number of
+    times."""
+    if not world().parallel:
+        return values.mean(), values.std()
+    wide = values.detach().to(torch.float64)
+    sums = torch.stack([torch.tensor(float(wide.numel()), dtype=torch.float64), wide.sum()])
+    all_reduce_sum(sums, "statistics all-reduce")
+    mean = sums[1] / sums[0]
+    squares = (wide - mean).square().sum().reshape(1)
+    all_reduce_sum(squares, "statistics all-reduce")
+    std = (squares[0] / (sums[0] - 1)).sqrt()
+    return mean.to(values.dtype), std.to(values.dtype)
 
 
 def average_gradients(params: Sequence[torch.nn.Parameter]) -> None:

@@ -13,11 +13,17 @@ agent and the launcher exit with the same status. A second goes to the ranks dir
 (they skip optional steps); a third, or ``run.hard_deadline_s`` after the first, kills
 every rank and the agent. Otherwise the ranks' exit status is passed through; a rank
 killed by a signal is reported in one line and the run exits 1.
+
+After a rank fails (a collective timed out because a peer hangs, say), the agent
+SIGTERMs the others and SIGKILLs those still there after ``run.hard_deadline_s`` (the
+bound a rank keeps after a signal), at most torchrun's fixed 30 s: a stopped or wedged
+rank, which SIGTERM cannot move, ends the run that much after the failure.
 """
 
 from __future__ import annotations
 
 import logging
+import math
 import os
 import signal
 import sys
@@ -33,9 +39,11 @@ def launch(config_path: str, overrides: list[str], config: Config) -> int:
     argv = [
         sys.executable, "-m", "corun.launch", "--standalone",
         f"--nproc-per-node={config.run.nproc}", "--monitor-interval=0.1",
+        f"--shutdown-timeout={math.ceil(config.run.hard_deadline_s)}",
         "-m", "corun", "train", config_path, *overrides,
     ]  # fmt: skip
-    agent = ChildProcess(argv)
+    # torchrun's default for N ranks on one machine, set here so it does not warn about it.
+    agent = ChildProcess(argv, env={"OMP_NUM_THREADS": "1", **os.environ})
     received: list[int] = []
 
     def on_signal(signum: int, frame: FrameType | None) -> None:
@@ -96,13 +104,19 @@ def main(argv: list[str] | None = None) -> int:
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 
-    logging.getLogger("torch.distributed.elastic").setLevel(logging.ERROR)
+    # Its own report of a failure repeats ours, with a binary path; ours is one line.
+    logging.getLogger("torch.distributed.elastic").setLevel(logging.CRITICAL)
+    args = torchrun.parse_args(argv)  # type: ignore[no-untyped-call]
+    if args.shutdown_timeout is not None:
+        _bound_stop(args.shutdown_timeout)
     try:
-        torchrun.run(torchrun.parse_args(argv))  # type: ignore[no-untyped-call]
+        torchrun.run(args)  # type: ignore[no-untyped-call]
     except SignalException as exc:  # the ranks got the signal and have exited
         return 128 + int(exc.sigval)
     except ChildFailedError as exc:
-        killed = {rank: f for rank, f in exc.failures.items() if f.exitcode < 0}
+        # A rank the agent killed while stopping the others did not fail the run.
+        own = {rank: f for rank, f in exc.failures.items() if f.pid not in _stopped}
+        killed = {rank: f for rank, f in own.items() if f.exitcode < 0}
         for rank, failure in sorted(killed.items()):
             print(
                 f"corun: error: rank {rank} (pid {failure.pid}) was killed by "
@@ -110,8 +124,28 @@ def main(argv: list[str] | None = None) -> int:
                 file=sys.stderr,
             )
         # Otherwise a rank said why itself, and its exit status says how it ended.
-        return 1 if killed else exc.get_first_failure()[1].exitcode
+        return 1 if killed or not own else min(own.values(), key=lambda f: f.timestamp).exitcode
     return 0
+
+
+_stopped: set[int] = set()  # pids of ranks the agent stopped after another's failure
+
+
+def _bound_stop(grace_s: int) -> None:
+    """Make the agent SIGKILL the ranks it stops after a failure ``grace_s`` after its
+    SIGTERM: torchrun waits 30 s there (``PContext.close``'s default, which
+    ``--shutdown-timeout`` does not reach), and records which ranks it stopped."""
+    from torch.distributed.elastic.multiprocessing import api
+
+    close = api.PContext.close
+
+    def bounded(self: api.PContext, death_sig: signal.Signals | None = None,
+                timeout: int = grace_s) -> None:  # fmt: skip
+        handlers = getattr(self, "subprocess_handlers", {}).values()
+        _stopped.update(h.proc.pid for h in handlers if h.proc.poll() is None)
+        close(self, death_sig, min(timeout, grace_s))
+
+    api.PContext.close = bounded  # type: ignore[method-assign]
 
 
 if __name__ == "__main__":

@@ -3,31 +3,56 @@
 Each child starts in its own session and process group, so stopping it stops
 everything it spawned (the session's members that left the group too). ``stop`` is
 bounded: SIGTERM to the group, then SIGKILL after a grace period. Every live group
-is also killed by the CLI's hard-deadline exit.
+is also killed by the CLI's hard-deadline exit. A child's ``workdir`` goes with it.
+
+:meth:`ChildProcess.python_module` also covers this process dying by SIGKILL, which
+leaves it no chance to stop anything: the child runs the module under this file's
+``__main__`` (by path: importing the ``corun`` package would load torch into a
+long-lived process), whose watch SIGKILLs the child's whole session and removes its
+workdir once this process is gone.
 """
 
 from __future__ import annotations
 
 import os
+import runpy
+import shutil
 import signal
 import subprocess
+import sys
 import threading
 import time
 from collections.abc import Sequence
 
-_live: dict[int, subprocess.Popen[bytes]] = {}
+_live: dict[int, ChildProcess] = {}
 _lock = threading.Lock()
+_PARENT_ENV = "CORUN_PARENT"  # the pid a watched child must not outlive
+_WORKDIR_ENV = "CORUN_PARENT_WORKDIR"  # the directory it removes when that pid is gone
 
 
 class ChildProcess:
     """A subprocess in a new process group, registered until it is stopped."""
 
-    def __init__(self, argv: Sequence[str], **popen_kwargs: object) -> None:
+    def __init__(
+        self, argv: Sequence[str], workdir: str | None = None, **popen_kwargs: object
+    ) -> None:
+        self.workdir = workdir  # removed once the child is stopped
         self.popen: subprocess.Popen[bytes] = subprocess.Popen(  # type: ignore[call-overload]
             list(argv), start_new_session=True, **popen_kwargs
         )
         with _lock:
-            _live[self.popen.pid] = self.popen
+            _live[self.popen.pid] = self
+
+    @classmethod
+    def python_module(
+        cls, module: str, args: Sequence[str], workdir: str | None = None,
+        env: dict[str, str] | None = None, **popen_kwargs: object,
+    ) -> ChildProcess:  # fmt: skip
+        """``python -m module args``, ended with its session even if this process is
+        SIGKILLed (see the module docstring)."""
+        watch = {_PARENT_ENV: str(os.getpid()), _WORKDIR_ENV: workdir or ""}
+        argv = [sys.executable, os.path.abspath(__file__), module, *args]
+        return cls(argv, workdir, env={**(env or os.environ), **watch}, **popen_kwargs)
 
     @property
     def pid(self) -> int:
@@ -45,6 +70,8 @@ class ChildProcess:
         finally:
             with _lock:
                 _live.pop(self.popen.pid, None)
+            if self.workdir:
+                shutil.rmtree(self.workdir, ignore_errors=True)
 
 
 def _signal_group(pid: int, sig: signal.Signals) -> None:
@@ -81,6 +108,40 @@ def _session_members(sid: int) -> list[int]:
 def kill_all() -> None:
     """SIGKILL every live child group (the last resort of a hard exit)."""
     with _lock:
-        pids = list(_live)
-    for pid in pids:
-        _signal_group(pid, signal.SIGKILL)
+        children = list(_live.values())
+    for child in children:
+        _signal_group(child.pid, signal.SIGKILL)
+    for child in children:
+        if child.workdir:
+            shutil.rmtree(child.workdir, ignore_errors=True)
+
+
+def _end_with_parent(parent: int, workdir: str) -> None:
+    """Once ``parent`` is gone, SIGKILL this session (the members in other groups first:
+    this process goes with its own group, last) and remove ``workdir``."""
+    while os.getppid() == parent:
+        time.sleep(0.2)
+    for _ in range(3):  # one forked meanwhile is caught by the next pass
+        for member in _session_members(os.getsid(0)):
+            try:
+                os.kill(member, signal.SIGKILL)
+            except (ProcessLookupError, PermissionError):
+                pass
+    if workdir:
+        shutil.rmtree(workdir, ignore_errors=True)
+    os.killpg(os.getpgrp(), signal.SIGKILL)
+
+
+def _watched_main(argv: list[str]) -> None:
+    """``python procs.py MODULE ARGS``: run MODULE as ``__main__`` under the watch above."""
+    if sys.path and os.path.abspath(sys.path[0]) == os.path.dirname(os.path.abspath(__file__)):
+        del sys.path[0]  # corun/ is no place for top-level modules (corun/trace.py: `trace`)
+    parent = int(os.environ.pop(_PARENT_ENV))
+    workdir = os.environ.pop(_WORKDIR_ENV, "")
+    threading.Thread(target=_end_with_parent, args=(parent, workdir), daemon=True).start()
+    sys.argv = list(argv)
+    runpy.run_module(argv[0], run_name="__main__", alter_sys=True)
+
+
+if __name__ == "__main__":
+    _watched_main(sys.argv[1:])

@@ -6,7 +6,10 @@ own session and process group, so teardown (and the CLI's hard-exit path) kills
 everything Ray started for the run — GCS, raylet, agents, and the worker processes,
 which Ray moves into process groups of their own but which stay in the session.
 (A plain ``ray.init()`` cluster belongs to the driver: after a SIGKILL of the driver
-its agents and blocked workers were measured alive.)
+its agents and blocked workers were measured alive.) A SIGKILL of corun itself is
+covered too: ``ray start`` runs under the parent watch of
+:meth:`corun.ChildProcess.python_module`, which kills the session and removes the
+temp dir once corun is gone.
 
 Hermetic: its own temp dir (``--temp-dir``, under ``$RAY_TMPDIR`` or the system's),
 free ports chosen here, and token auth with a token made for the run, handed to
@@ -18,7 +21,6 @@ from __future__ import annotations
 
 import os
 import secrets
-import shutil
 import socket
 import sys
 import tempfile
@@ -62,15 +64,17 @@ class LocalCluster:
             "PYTHONPATH": os.pathsep.join(p for p in sys.path if p and Path(p).is_dir()),
         }  # fmt: skip
         ports = [f"{flag}={_free_port()}" for flag in _PORT_FLAGS]
-        argv = [
-            sys.executable, "-m", "ray.scripts.scripts", "start", "--head", "--block",
-            f"--num-cpus={num_cpus}", f"--temp-dir={self.temp_dir}", "--port=0",
-            "--node-ip-address=127.0.0.1", "--include-dashboard=false",
-            "--disable-usage-stats", *ports,
+        args = [
+            "start", "--head", "--block", f"--num-cpus={num_cpus}",
+            f"--temp-dir={self.temp_dir}", "--port=0", "--node-ip-address=127.0.0.1",
+            "--include-dashboard=false", "--disable-usage-stats", *ports,
         ]  # fmt: skip
         log = open(self.temp_dir / "ray-start.log", "wb")
-        try:
-            self.child = ChildProcess(argv, env=env, stdout=log, stderr=log, cwd=os.getcwd())
+        try:  # it dies with this process, even by SIGKILL, its temp dir too
+            self.child = ChildProcess.python_module(
+                "ray.scripts.scripts", args, str(self.temp_dir), env,
+                stdout=log, stderr=log, cwd=os.getcwd(),
+            )  # fmt: skip
         finally:
             log.close()
         self.address = self._wait_address(timeout_s)
@@ -90,12 +94,11 @@ class LocalCluster:
         """SIGTERM the group, SIGKILL it and the session after ``grace_s``; bounded.
         Nothing of the cluster outlives the run, so no graceful drain is waited for."""
         try:
-            self.child.stop(grace_s)
+            self.child.stop(grace_s)  # removes the temp dir
         finally:
             if self.saved_env is not None:
                 restore_auth(self.saved_env)
                 self.saved_env = None
-            shutil.rmtree(self.temp_dir, ignore_errors=True)
 
 
 def use_auth(values: dict[str, str]) -> dict[str, str | None]:

@@ -12,7 +12,9 @@ Weights: at each publish the driver takes ``trainer.rollout_weights()`` on the t
 lane and ``ray.put``s it once; an actor fetches a version from the object store only
 when it differs from the one it holds (the reference travels nested in a list, so
 Ray does not resolve it on every call). Under the fixed version schedule the
-references of the versions the schedule may still ask for are kept.
+references of the versions the schedule may still ask for are kept; on resume, the
+older ones among them come from the trainer's ``scheduled_rollout_weights()`` (the
+versions its checkpoint kept), or the run is refused with one line.
 
 Calls: Ray's ``await ref`` needs asyncio, so results are awaited by a thread hop
 (``ray.wait`` with a short timeout, so a cancelled call returns within it and no
@@ -67,6 +69,9 @@ class RemoteRollout(Protocol):
     def load_rollout_weights(self, state: dict[str, Tensor], version: int) -> None:
         """Put published weights into the rollout engine (rollout side)."""
         ...
+
+    # Optional: ``scheduled_rollout_weights() -> dict[int, dict[str, Tensor]]``, the
+    # weights by version kept for the fixed schedule (what a resume needs, above).
 
 
 class RolloutWorkerLost(EngineError):
@@ -191,6 +196,7 @@ class RayWorkers:
 
     async def _start(self, config: Config, num_workers: int) -> None:
         started = time.monotonic()
+        scheduled = self._scheduled_weights()  # refused before any Ray process starts
         self._connected = True  # from here on, stop() disconnects (ray.shutdown is safe)
         await anyio.to_thread.run_sync(connect, self.settings, num_workers, self._own)
         import ray
@@ -205,6 +211,8 @@ class RayWorkers:
         except (rex.RayError, TimeoutError) as exc:
             first = str(exc).strip().splitlines()[-1] if str(exc).strip() else type(exc).__name__
             raise RolloutWorkerLost(f"a Ray rollout worker did not start: {first}") from None
+        for version, weights in scheduled.items():
+            await self.publish(version, weights)
         await self.publish(self.clock.published)
         fields: dict[str, Any] = {"pids": self.pids}
         if self.cluster is not None:  # its session holds every process Ray started
@@ -215,12 +223,31 @@ class RayWorkers:
     def _own(self, cluster: LocalCluster) -> None:
         self.cluster = cluster
 
-    async def publish(self, version: int) -> None:
-        """Put ``version``'s weights in the object store (once; actors fetch them)."""
+    def _scheduled_weights(self) -> dict[int, dict[str, Tensor]]:
+        """The versions older than the published one that the fixed schedule still asks
+        for (a resumed run's first slots), with their weights."""
+        clock, wanted, slot = self.clock, set[int](), self.clock.slots
+        while clock.fixed_schedule and (version := clock.scheduled_version(slot)) < clock.published:
+            wanted.add(version)
+            slot += 1
+        kept: dict[int, dict[str, Tensor]] = {}
+        if wanted:
+            kept = getattr(self.trainer, "scheduled_rollout_weights", dict)()
+        if missing := sorted(wanted - kept.keys()):
+            raise ConfigError(
+                f'`$.loop.version_schedule` = "fixed" on Ray workers: resuming needs the '
+                f"weights of versions {missing}, which {type(self.trainer).__name__} does not "
+                "keep (scheduled_rollout_weights()); resume on thread workers"
+            )
+        return {version: kept[version] for version in sorted(wanted)}
+
+    async def publish(self, version: int, weights: dict[str, Tensor] | None = None) -> None:
+        """Put ``version``'s weights (default: the trainer's current ones) in the object
+        store (once; actors fetch them)."""
         import ray
 
         def put() -> Any:
-            return ray.put(self.trainer.rollout_weights())
+            return ray.put(self.trainer.rollout_weights() if weights is None else weights)
 
         self._refs[version] = await self.lane.run(put)
         for old in sorted(self._refs)[: -self._keep]:

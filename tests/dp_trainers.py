@@ -1,36 +1,112 @@
-"""A GRPO trainer whose global batch does not depend on the world size, for the
-data-parallel equivalence tests: at world size 1 it rolls out each batch as two ranks
-would (rank r's slice of the prompts, from rank r's generator) and concatenates the
-two halves; under torchrun it is plain GRPO (the runtime slices and seeds by rank)."""
+"""Trainers whose global batch does not depend on the world size, for the
+data-parallel equivalence tests: at world size 1 each rolls out a batch as two ranks
+would (rank r's slice of the inputs, from rank r's generator) and concatenates the two
+halves (:func:`merge`); under torchrun it is the plain trainer (the runtime slices and
+seeds by rank)."""
 
 from __future__ import annotations
 
 import dataclasses
+from typing import Any
 
 import torch
 
 import corun
 from corun.distributed import rank_seed, shard
+from trainers.agentic.rl import AgenticGRPOTrainer, AgenticPPOTrainer
+from trainers.hf.rl import HFGRPOTrainer, HFPPOTrainer
 from trainers.lm.engine import Rollouts
-from trainers.lm.grpo import GRPOBatch, GRPOTrainer
+from trainers.lm.grpo import GRPOTrainer
+from trainers.lm.ppo import PPOTrainer
 
 RANKS = 2
 
 
-class TwoShardGRPO(GRPOTrainer):
-    def rollout(self, examples: list[tuple[str, str]], ctx: corun.RolloutContext) -> corun.Batch:
+def merge(parts: list[Any]) -> Any:
+    """The ranks' batch data as one batch: rollouts concatenated (padded to the longest),
+    tensors and lists concatenated, dataclasses field by field."""
+    first = parts[0]
+    if isinstance(first, Rollouts) and first.prompt_mask is not None:
+        width = max(p.prompt_ids.shape[1] for p in parts)
+        masks = [_left_pad(p.prompt_mask, width) for p in parts]  # type: ignore[arg-type]
+        ids = [_left_pad(p.prompt_ids, width) for p in parts]
+        plain = [
+            dataclasses.replace(p, prompt_ids=i, prompt_mask=None)
+            for p, i in zip(parts, ids, strict=True)
+        ]
+        return dataclasses.replace(Rollouts.concat(plain), prompt_mask=torch.cat(masks))
+    if isinstance(first, Rollouts):
+        return Rollouts.concat(parts)
+    if isinstance(first, torch.Tensor):
+        return torch.cat(parts)
+    if isinstance(first, list):
+        return [item for part in parts for item in part]
+    if dataclasses.is_dataclass(first):
+        fields = dataclasses.fields(first)
+        return type(first)(**{f.name: merge([getattr(p, f.name) for p in parts]) for f in fields})
+    raise TypeError(f"cannot merge {type(first).__name__}")
+
+
+def _left_pad(t: torch.Tensor, width: int) -> torch.Tensor:
+    """Left padding under a prompt mask: the pads' value is never attended to."""
+    return torch.nn.functional.pad(t, (width - t.shape[1], 0))
+
+
+def _merged(parts: list[corun.Batch]) -> corun.Batch:
+    # As the ranks' metrics are averaged (equal halves: the global means).
+    metrics = {k: sum(p.metrics[k] for p in parts) / RANKS for k in parts[0].metrics}
+    return corun.Batch(merge([p.data for p in parts]), metrics=metrics, version=parts[0].version)
+
+
+def _shards(trainer: Any, inputs: list[Any], ctx: corun.RolloutContext) -> Any:
+    """Each rank's inputs and rollout context, as the runtime would give them."""
+    seed = trainer.run_config.run.seed
+    for rank in range(RANKS):
+        generator = corun.rollout_generator(rank_seed(seed, rank), ctx.index, ctx.attempt)
+        yield list(shard(inputs, rank, RANKS)), dataclasses.replace(ctx, generator=generator)
+
+
+class TwoShards:
+    """Mixed in before a trainer with a plain ``rollout``."""
+
+    def rollout(self, inputs: list[Any], ctx: corun.RolloutContext) -> corun.Batch:
         if corun.world().parallel:
-            return super().rollout(examples, ctx)
-        seed = self.run_config.run.seed
-        parts = []
-        for rank in range(RANKS):
-            generator = corun.rollout_generator(rank_seed(seed, rank), ctx.index, ctx.attempt)
-            rank_ctx = dataclasses.replace(ctx, generator=generator)
-            parts.append(super().rollout(list(shard(examples, rank, RANKS)), rank_ctx))
-        data = GRPOBatch(
-            Rollouts.concat([p.data.rollouts for p in parts]),
-            torch.cat([p.data.advantages for p in parts]),
+            return super().rollout(inputs, ctx)  # type: ignore[misc,no-any-return]
+        rollout = super().rollout  # type: ignore[misc]
+        return _merged([rollout(part, part_ctx) for part, part_ctx in _shards(self, inputs, ctx)])
+
+
+class TwoShardsAsync:
+    """Mixed in before a trainer with an ``async def rollout``."""
+
+    async def rollout(self, inputs: list[Any], ctx: corun.RolloutContext) -> corun.Batch:
+        if corun.world().parallel:
+            return await super().rollout(inputs, ctx)  # type: ignore[misc,no-any-return]
+        rollout = super().rollout  # type: ignore[misc]
+        return _merged(
+            [await rollout(part, part_ctx) for part, part_ctx in _shards(self, inputs, ctx)]
         )
-        # As the ranks' metrics are averaged (equal halves: the global means).
-        metrics = {k: sum(p.metrics[k] for p in parts) / RANKS for k in parts[0].metrics}
-        return corun.Batch(data, metrics=metrics, version=parts[0].version)
+
+
+class TwoShardGRPO(TwoShards, GRPOTrainer):
+    pass
+
+
+class TwoShardPPO(TwoShards, PPOTrainer):
+    pass
+
+
+class TwoShardAgentic(TwoShardsAsync, AgenticGRPOTrainer):
+    pass
+
+
+class TwoShardAgenticPPO(TwoShardsAsync, AgenticPPOTrainer):
+    pass
+
+
+class TwoShardHFGRPO(TwoShardsAsync, HFGRPOTrainer):
+    pass
+
+
+class TwoShardHFPPO(TwoShardsAsync, HFPPOTrainer):
+    pass

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import time
 from typing import Any
 
 from corun import Batch, RolloutContext
@@ -20,3 +21,16 @@ class DyingGRPO(GRPOTrainer):
             os._exit(1)
         batch: Any = super().rollout(examples, ctx)
         return batch
+
+
+class HangingGRPO(GRPOTrainer):
+    """GRPO whose update hangs on the driver from data index 2 on (after writing the
+    marker ``phase-hang`` in the run dir): a stop cannot get past the train lane, so
+    only the hard-exit path (or a SIGKILL) ends the run and its Ray cluster."""
+
+    def prepare(self, batch: Batch) -> Any:
+        if batch.index >= 2:
+            (self.run_config.run_dir / "phase-hang").write_text(str(os.getpid()))
+            while True:
+                time.sleep(1)
+        return super().prepare(batch)

@@ -16,6 +16,7 @@ them); the one-process runs are in-process, on asyncio and trio.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import signal
@@ -111,8 +112,11 @@ def _assert_same(got: Path, expected: Path, exact: bool = False) -> None:
             torch.testing.assert_close(_weights(got, STEPS)[name], tensor, **WEIGHT_TOLERANCE)
 
 
-async def _one_process(kind: str, run_dir: Path) -> None:
-    cls, trainer = KINDS[kind]
+Kinds = dict[str, tuple[type[corun.Trainer[Any]], dict[str, Any]]]
+
+
+async def _one_process(kind: str, run_dir: Path, kinds: Kinds | None = None) -> None:
+    cls, trainer = (kinds or KINDS)[kind]
     tables = _tables(trainer, run_dir)
     tables.pop("trainer")
     tables["run"].pop("dir")
@@ -235,7 +239,7 @@ def test_a_killed_rank_fails_the_run(start_corun: Callable[..., CorunRun]) -> No
 
 def test_a_kind_that_cannot_shard_is_refused(tmp_path: Path) -> None:
     cfg = tmp_path / "cfg.toml"
-    cfg.write_text(tomli_w.dumps({"trainer": {"kind": "ppo"}, "run": {"nproc": 2}}))
+    cfg.write_text(tomli_w.dumps({"trainer": {"kind": "unified"}, "run": {"nproc": 2}}))
     done = subprocess.run(
         [sys.executable, "-m", "corun", "train", str(cfg)],
         cwd=tmp_path, capture_output=True, text=True, timeout=60,
@@ -243,3 +247,61 @@ def test_a_kind_that_cannot_shard_is_refused(tmp_path: Path) -> None:
     assert done.returncode == 2, done.stderr
     lines = done.stderr.strip().splitlines()
     assert len(lines) == 1 and "does not support data-parallel training" in lines[0], lines
+
+
+def _groups_alive(leaders: list[int]) -> list[int]:
+    """Live processes in the process groups or sessions led by ``leaders`` (the agent's
+    and each rank's own: torchrun starts every rank in a session of its own)."""
+    alive = []
+    for entry in os.scandir("/proc"):
+        if not entry.name.isdigit():
+            continue
+        try:
+            stat = Path(f"/proc/{entry.name}/stat").read_bytes().rsplit(b")", 1)[1].split()
+        except OSError:
+            continue
+        in_run = int(entry.name) in leaders or {int(stat[2]), int(stat[3])} & set(leaders)
+        if in_run and stat[0] != b"Z":
+            alive.append(int(entry.name))
+    return alive
+
+
+HUNG_TIMEOUT_S = 10
+HUNG_DEADLINE_S = 5  # run.hard_deadline_s: the agent's grace before SIGKILL after a failure
+# After the timeout: the failing rank's teardown and exit, the agent stopping the hung
+# rank (SIGTERM cannot move a stopped process: SIGKILL after the grace), the launcher.
+HUNG_MARGIN_S = HUNG_DEADLINE_S + 12
+
+
+@pytest.mark.slow
+def test_a_hung_rank_fails_the_run_within_the_timeout(
+    start_corun: Callable[..., CorunRun],
+) -> None:
+    """A rank that hangs (SIGSTOP: alive but silent, unlike a killed one, which torchrun
+    notices) fails the run in run.collective_timeout_s plus a bounded margin: exit 1, one
+    line naming the collective timeout, no process of the run left."""
+    run = _start_two_ranks(
+        start_corun, "asyncio", collective_timeout_s=HUNG_TIMEOUT_S, hard_deadline_s=HUNG_DEADLINE_S
+    )
+    pids = _run_processes(run)
+    rank1 = next(
+        pid for pid in pids[1:] if b"RANK=1\0" in Path(f"/proc/{pid}/environ").read_bytes()
+    )
+    started = time.monotonic()
+    os.kill(rank1, signal.SIGSTOP)
+    try:
+        code = run.wait_exit(timeout=HUNG_TIMEOUT_S + HUNG_MARGIN_S + 30)
+        elapsed = time.monotonic() - started
+    finally:
+        for sig in (signal.SIGCONT, signal.SIGKILL):  # never leave it stopped
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(rank1, sig)
+    assert code == 1, run.stderr()
+    assert HUNG_TIMEOUT_S - 1 < elapsed < HUNG_TIMEOUT_S + HUNG_MARGIN_S, (elapsed, run.stderr())
+    lines = run.stderr().strip().splitlines()  # nothing from torchrun's agent either
+    assert len(lines) == 1, run.stderr()
+    assert lines[0].startswith("corun: error: rank 0: ") and "run.collective_timeout_s" in lines[0]
+    deadline = time.monotonic() + 5.0
+    while (left := _groups_alive(pids)) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not left, f"processes of the run left: {left}"

@@ -6,6 +6,7 @@ for the Ctrl-C test, whose run starts and must clean up its own."""
 
 from __future__ import annotations
 
+import shutil
 import signal
 import time
 from collections.abc import Callable, Iterator
@@ -18,11 +19,16 @@ import pytest
 pytest.importorskip("ray")
 
 import corun
+from corun import checkpoint
+from corun.clock import Clock
 from corun.events import read_records
 from corun.ray_cluster import LocalCluster, restore_auth, use_auth
+from corun.ray_workers import RayWorkers
 from tests.conftest import make_config
 from tests.corun_process import CorunRun, _alive
 from tests.corun_process import start_corun as start_corun  # the fixture
+from tests.loops import step_records
+from tests.test_resume import assert_state_equal
 from trainers.lm.grpo import GRPOTrainer
 
 pytestmark = pytest.mark.slow
@@ -108,6 +114,47 @@ async def test_worker_killed_mid_rollout_has_its_batch_redone(
     assert [r["step"] for r in _steps(tmp_path)] == list(range(1, 7))
 
 
+@pytest.mark.anyio
+@pytest.mark.parametrize("anyio_backend", ["asyncio"])
+async def test_fixed_schedule_resume_on_ray_equals_the_straight_run(
+    tmp_path: Path, cluster: str
+) -> None:
+    """A checkpoint under the fixed schedule holds the older weights the schedule still
+    asks for (step 2's: versions 1 and 2; slot 2 generates with version 1): the resumed
+    run publishes them to the actors too, so it equals the straight run bitwise."""
+    rollout = {"backend": "ray", "address": cluster}
+    runs = {name: tmp_path / name for name in ("straight", "resumed")}
+    configs = {
+        name: _config(run_dir, TINY, rollout, version_schedule="fixed", save_interval=2)
+        for name, run_dir in runs.items()
+    }
+    with anyio.fail_after(120):
+        await corun.run(GRPOTrainer(configs["straight"]), configs["straight"])
+    shutil.copytree(runs["straight"], runs["resumed"])
+    for step in (4, 6):  # as if it had stopped after step 2's checkpoint
+        shutil.rmtree(checkpoint.step_dir(runs["resumed"], step))
+    with anyio.fail_after(120):
+        outcome = await corun.run(GRPOTrainer(configs["resumed"]), configs["resumed"])
+    assert outcome.reason == "done" and outcome.step == 6
+    assert "restore" in [e["event"] for e in _events(runs["resumed"])]
+    assert step_records(runs["resumed"]) == step_records(runs["straight"])
+    _, straight = checkpoint.read(checkpoint.step_dir(runs["straight"], 6))
+    _, resumed = checkpoint.read(checkpoint.step_dir(runs["resumed"], 6))
+    assert_state_equal(resumed["trainer"], straight["trainer"])
+
+
+def test_fixed_schedule_resume_without_the_old_weights_is_refused(tmp_path: Path) -> None:
+    """A trainer that keeps no scheduled weights cannot resume a fixed-schedule run on
+    Ray workers whose next slots ask for older versions: one line, a config error."""
+    config = _config(tmp_path, TINY, {"backend": "ray"}, version_schedule="fixed")
+    clock = Clock.start(config.loop, step=2, version=2, cursor=2, trained_ahead=[])
+    workers = RayWorkers(object(), config, clock, None, None)  # type: ignore[arg-type]
+    with pytest.raises(corun.ConfigError, match=r"resuming needs the weights of versions \[1\]"):
+        workers._scheduled_weights()
+    fresh = Clock.start(config.loop, step=0, version=0, cursor=0, trained_ahead=[])
+    assert RayWorkers(object(), config, fresh, None, None)._scheduled_weights() == {}  # type: ignore[arg-type]
+
+
 def test_worker_lost_fails_the_run_with_one_line(
     start_corun: Callable[..., CorunRun], cluster: str
 ) -> None:
@@ -146,9 +193,47 @@ def test_ctrl_c_leaves_no_ray_process(start_corun: Callable[..., CorunRun]) -> N
     names = run.names()
     assert names[-1] == "end" and run.events()[-1]["reason"] == "interrupted"
     assert names.index("teardown:rollout_workers") < names.index("teardown:logging")
+    _assert_no_ray_left(started)
+
+
+def _assert_no_ray_left(started: dict[str, Any]) -> None:
+    """Within 10 s, no process of the run's Ray session (nor any of its actors)."""
     deadline = time.monotonic() + 10
     left = _session_alive(started["cluster_pid"]) + [p for p in started["pids"] if _alive(p)]
     while left and time.monotonic() < deadline:
         time.sleep(0.1)
         left = _session_alive(started["cluster_pid"]) + [p for p in started["pids"] if _alive(p)]
     assert not left, f"Ray processes of the run left: {left}"
+
+
+@pytest.mark.parametrize("how", ["third signal", "hard deadline", "SIGKILL"])
+def test_a_hard_exit_leaves_no_ray_process(start_corun: Callable[..., CorunRun], how: str) -> None:
+    """The run's update hangs, so its teardown never reaches ``rollout_workers``: the
+    third SIGINT and ``run.hard_deadline_s`` (both through ``procs.kill_all``), and a
+    SIGKILL of corun itself (the parent watch the cluster's head runs under), still end
+    the run's whole Ray session within 10 s, and its temp dir goes too."""
+    run = start_corun(
+        TINY | {"kind": "tests.ray_trainers:HangingGRPO"}, loop=ASYNC, data={"batch_size": 4},
+        run={"steps": 1000, "hard_deadline_s": 3 if how == "hard deadline" else 120},
+        rollout={"backend": "ray"},
+    )  # fmt: skip
+    run.wait_until("the update to hang", (run.run_dir / "phase-hang").exists, timeout=120)
+    started = next(e for e in run.events() if e["event"] == "rollout_workers")
+    cmdline = Path(f"/proc/{started['cluster_pid']}/cmdline").read_bytes().split(b"\0")
+    temp_dir = Path(next(a for a in cmdline if a.startswith(b"--temp-dir="))[11:].decode())
+    if how == "SIGKILL":
+        run.proc.kill()
+        assert run.wait_exit() == -signal.SIGKILL
+    else:
+        run.send(signal.SIGINT)
+        if how == "third signal":
+            run.wait_stderr("again to skip saving")
+            run.send(signal.SIGINT)
+            run.wait_stderr("skipping optional teardown steps")
+            run.send(signal.SIGINT)
+        assert run.wait_exit() == 130, run.stderr()
+        assert f"corun: {how}: exiting now" in run.stderr(), run.stderr()
+        assert "teardown:rollout_workers" not in run.names()  # Ray was not stopped in order
+        assert run.events()[-1]["reason"] == "killed"
+    _assert_no_ray_left(started)
+    assert temp_dir.is_dir() is False, f"{temp_dir} left"

@@ -21,7 +21,7 @@ from typing import Any, Literal
 import torch
 from torch import Tensor
 
-from corun import Batch, ConfigError, RolloutContext, SetupContext
+from corun import Batch, ConfigError, RolloutContext, SetupContext, world
 from corun.episodes import Environment, Episode
 from trainers.agentic import calculator
 from trainers.agentic.calculator import EnvSettings, Problem, Problems
@@ -70,7 +70,17 @@ class AgenticPPOConfig(PPOConfig, frozen=True, forbid_unknown_fields=True, kw_on
 class AgenticEpisodes(PolicyGradientTrainer[Any]):
     """The episode side, mixed in before an algorithm (GRPOAlgorithm, PPOAlgorithm)."""
 
+    # Under torchrun each rank runs the groups of its shard of the problems (whole
+    # groups: fill_failed and the advantages stay per group); environment seeds are
+    # per (index, row of the shard) and only time tools, never reach the numbers.
+    data_parallel = True
+
     def setup(self, ctx: SetupContext) -> None:
+        if self.config.episodes == "submitted" and world().parallel:
+            raise ConfigError(
+                '`$.trainer.episodes` = "submitted": not under data-parallel training (the '
+                "episodes arrive unsharded); run it with run.nproc = 1"
+            )
         super().setup(ctx)
         self.train_lane = ctx.lane
         self.inbox = ctx.inbox

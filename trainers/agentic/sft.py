@@ -11,7 +11,16 @@ from typing import Annotated, Any, Literal
 import msgspec
 import torch
 
-from corun import Batch, Part, RolloutContext, SetupContext, ShuffledBatches, Trainer, TrainerConfig
+from corun import (
+    Batch,
+    Part,
+    RolloutContext,
+    SetupContext,
+    ShuffledBatches,
+    Trainer,
+    TrainerConfig,
+    shared_count,
+)
 from trainers.agentic import calculator
 from trainers.agentic.calculator import EnvSettings, Problem, Problems
 from trainers.agentic.policy import build_agent, calculator_env, evaluate_agent
@@ -69,6 +78,7 @@ def encode_demonstrations(problems: list[Problem]) -> TokenBatch:
 
 class AgenticSFTTrainer(Trainer[AgenticSFTConfig]):
     Config = AgenticSFTConfig
+    data_parallel = True
 
     def setup(self, ctx: SetupContext) -> None:
         cfg = self.config
@@ -93,7 +103,9 @@ class AgenticSFTTrainer(Trainer[AgenticSFTConfig]):
     def loss(self, batch: Batch, part: Part) -> tuple[torch.Tensor, dict[str, float]]:
         tokens: TokenBatch = batch.data.rows(part.mini_rows(len(batch.data)))
         self.model.train()
-        return masked_loss_sum(self.model(tokens.inputs), tokens) / tokens.loss_mask.sum(), {}
+        # A token mean over every rank's shard under torchrun (shared_count).
+        num_tokens = shared_count(tokens.loss_mask.sum())
+        return masked_loss_sum(self.model(tokens.inputs), tokens) / num_tokens, {}
 
     async def evaluate(self) -> dict[str, float]:
         seed = self.run_config.run.seed

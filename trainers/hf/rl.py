@@ -21,7 +21,7 @@ import msgspec
 import torch
 from torch import Tensor
 
-from corun import Batch, ConfigError, Dataset, RolloutContext, SetupContext
+from corun import Batch, ConfigError, Dataset, RolloutContext, SetupContext, world
 from corun.engine import Engine, Generation, Sampling
 from trainers.hf.engines import EngineKind, check_engine, start_engine
 from trainers.hf.evaluation import evaluate
@@ -86,9 +86,16 @@ class HFRollouts(PolicyGradientTrainer[Any]):
 
     policy: HFPolicy  # type: ignore[assignment]
     engine: Engine  # type: ignore[assignment]
+    # Under torchrun each rank samples its shard's groups from its own local engine.
+    data_parallel = True
 
     async def setup(self, ctx: SetupContext) -> None:  # type: ignore[override]
         cfg, loop = self.config, self.run_config.loop
+        if cfg.engine != "local" and world().parallel:
+            raise ConfigError(
+                f"`$.trainer.engine` = {cfg.engine!r}: data-parallel training samples from "
+                'engine = "local" only; run it with run.nproc = 1'
+            )
         if loop.concurrency > 1 and loop.version_schedule == "fixed":
             raise ConfigError(
                 '`$.loop.version_schedule` = "fixed": an hf: model\'s engine holds only the '

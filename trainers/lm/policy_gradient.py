@@ -214,6 +214,10 @@ class PolicyGradientTrainer(Trainer[C]):
     def load_rollout_weights(self, state: dict[str, Tensor], version: int) -> None:
         self.replicas.sync(state, version)
 
+    def scheduled_rollout_weights(self) -> dict[int, dict[str, Tensor]]:
+        """The versions kept for the fixed schedule (restored with a checkpoint)."""
+        return {int(version): state for version, state in self.replicas.state_dict().items()}
+
     def wandb_extra(self) -> dict[str, Any]:
         return {"model/num_params": self.policy.num_params()}
 
@@ -252,31 +256,33 @@ def clipped_policy_loss(
     states (a value head's input)."""
     logp, entropy, hidden = rollout_logprobs(policy, rollouts, settings.temperature)
     mask = rollouts.response_mask
+    # The metrics' token means divide by the shared count too: averaged over the ranks
+    # (corun/update.py), they are the token means of the whole batch.
+    tokens = shared_count(mask.sum()).clamp(min=1)
     metrics: dict[str, float] = {}
     if proximal is not None:
         loss_tok, clipped, weights = decoupled_surrogate(
             logp, proximal, rollouts.logprobs, advantages, settings.clip_low,
             settings.clip_high, importance_cap, clip_ratio_c=dual_clip,
         )  # fmt: skip
-        metrics["importance_weight_mean"] = _masked_mean(weights, mask)
+        metrics["importance_weight_mean"] = _masked_mean(weights, mask, tokens)
     else:
         loss_tok, clipped = clipped_surrogate(
             logp, rollouts.logprobs, advantages, settings.clip_low, settings.clip_high,
             clip_ratio_c=dual_clip,
         )  # fmt: skip
-    metrics["clip_ratio"] = _masked_mean(clipped.float(), mask)
-    metrics["entropy"] = _masked_mean(entropy.detach(), mask)
+    metrics["clip_ratio"] = _masked_mean(clipped.float(), mask, tokens)
+    metrics["entropy"] = _masked_mean(entropy.detach(), mask, tokens)
     if reference is not None:
         with torch.no_grad():
             ref_logp, _, _ = rollout_logprobs(reference, rollouts, settings.temperature)
         kl = kl_k3(logp, ref_logp, clamp=kl_clamp)
         loss_tok = loss_tok + kl_coef * kl
-        metrics["kl"] = _masked_mean(kl.detach(), mask)
+        metrics["kl"] = _masked_mean(kl.detach(), mask, tokens)
     else:
-        metrics["kl"] = _masked_mean(kl_k3(logp.detach(), rollouts.logprobs), mask)
+        metrics["kl"] = _masked_mean(kl_k3(logp.detach(), rollouts.logprobs), mask, tokens)
     return aggregate(loss_tok, mask, settings.loss_agg, shared_count), metrics, hidden
 
 
-def _masked_mean(values: Tensor, mask: Tensor) -> float:
-    mask = mask.to(values.dtype)
-    return float((values * mask).sum() / mask.sum().clamp(min=1))
+def _masked_mean(values: Tensor, mask: Tensor, tokens: Tensor) -> float:
+    return float((values * mask.to(values.dtype)).sum() / tokens)

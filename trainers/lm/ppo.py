@@ -16,7 +16,7 @@ import msgspec
 import torch
 from torch import Tensor, nn
 
-from corun import RolloutContext
+from corun import RolloutContext, shared_count, shared_mean_std
 from trainers.lm.engine import Rollouts
 from trainers.lm.policy import rollout_logprobs
 from trainers.lm.policy_gradient import PolicyGradientTrainer, RLConfig, Scored
@@ -69,8 +69,9 @@ class PPOAlgorithm(PolicyGradientTrainer[PPOConfig]):
         token_rewards[torch.arange(len(last)), last] = scored.rewards
         advantages, returns = gae(token_rewards, old_values, mask, cfg.gamma, cfg.lam)
         if cfg.whiten_advantages:
-            real = advantages[mask]
-            advantages = ((advantages - real.mean()) / (real.std() + 1e-6)) * mask
+            # Over the whole batch's tokens: every rank's shard, under torchrun.
+            mean, std = shared_mean_std(advantages[mask])
+            advantages = ((advantages - mean) / (std + 1e-6)) * mask
         return PPOBatch(rollouts, old_values, advantages, returns)
 
     def rows_loss(
@@ -86,6 +87,7 @@ class PPOAlgorithm(PolicyGradientTrainer[PPOConfig]):
             ),
             data.rollouts.response_mask[rows],
             "token-mean",
+            shared_count,
         )
         metrics["value_loss"] = float(value_loss.detach())
         metrics["policy_loss"] = float(policy_loss.detach())
@@ -94,6 +96,7 @@ class PPOAlgorithm(PolicyGradientTrainer[PPOConfig]):
 
 class PPOTrainer(PPOAlgorithm, LMPolicyTrainer[PPOConfig]):
     Config = PPOConfig
+    data_parallel = True  # losses use shared_count, whitening shared_mean_std
 
     def make_batch(
         self, examples: list[tuple[str, str]], ctx: RolloutContext
