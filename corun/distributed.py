@@ -9,8 +9,9 @@ optimizer state stay replicated, and rank 0's state is the whole state: its
 checkpoint loads at any world size. What the ranks do differently:
 
 - **data**: rank ``r`` of ``W`` rolls out the ``r``-th of ``W`` contiguous, near-equal
-  slices of each data batch (:class:`ShardedData`; the batch must be a sequence,
-  and ``data.batch_size`` a multiple of ``W``);
+  slices of each data batch (:class:`ShardedData`; the batch must be a sequence, or
+  a batch of rows with ``len`` and ``rows(slice)``; ``data.batch_size`` a multiple
+  of ``W``);
 - **randomness**: its rollouts draw from generators seeded by (:func:`rank_seed` of
   the run seed and ``r``, index, attempt), so ranks do not repeat each other's draws;
   at world size 1 nothing changes;
@@ -35,7 +36,7 @@ from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import Any
+from typing import Any, Protocol, runtime_checkable
 
 import msgspec
 import torch
@@ -47,7 +48,10 @@ from corun.errors import ConfigError
 from corun.rng import stable_seed
 
 # The kinds that opt in (``data_parallel = True``), for the refusal's message.
-SUPPORTED = "sft, grpo, ppo, agentic_sft, agentic, agentic_ppo, hf_sft, hf_grpo, hf_ppo"
+SUPPORTED = (
+    "sft, grpo, ppo, agentic_sft, agentic, agentic_ppo, hf_sft, hf_grpo, hf_ppo, "
+    "flow_pretrain, flow_grpo, pe_warmup"
+)
 _POLL_S = 0.0005  # how often a pending collective is checked (and a stop noticed)
 _PR_SET_PDEATHSIG = 1
 
@@ -161,11 +165,23 @@ def rollout_config(config: Config, w: World | None = None) -> Config:
     return replace(config, run=replace(config.run, seed=rank_seed(config.run.seed, w.rank)))
 
 
-def shard(items: Sequence[Any], rank: int, size: int) -> Sequence[Any]:
-    """The ``rank``-th of ``size`` contiguous near-equal slices of ``items``."""
+@runtime_checkable
+class Rows(Protocol):
+    """A batch of rows that is not a sequence (tensors side by side): its row count and
+    the batch of some of its rows."""
+
+    def __len__(self) -> int: ...
+
+    def rows(self, rows: slice) -> Any: ...
+
+
+def shard(items: Any, rank: int, size: int) -> Any:
+    """The ``rank``-th of ``size`` contiguous near-equal slices of ``items`` (a sequence,
+    or :class:`Rows`)."""
     part, extra = divmod(len(items), size)
     start = rank * part + min(rank, extra)
-    return items[start : start + part + (rank < extra)]
+    rows = slice(start, start + part + (rank < extra))
+    return items[rows] if isinstance(items, Sequence) else items.rows(rows)
 
 
 class ShardedData:
@@ -177,10 +193,10 @@ class ShardedData:
 
     def batch(self, index: int) -> Any:
         items = self.inner.batch(index)
-        if not isinstance(items, Sequence):
+        if not isinstance(items, Sequence | Rows):
             raise TypeError(
                 f"data-parallel training slices each data batch by rank; batch {index} is a "
-                f"{type(items).__name__}, not a sequence"
+                f"{type(items).__name__}, not a sequence (or rows with rows(slice))"
             )
         return shard(items, self.world.rank, self.world.size)
 

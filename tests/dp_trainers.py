@@ -7,6 +7,7 @@ seeds by rank)."""
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -14,17 +15,26 @@ import torch
 import corun
 from corun.distributed import rank_seed, shard
 from trainers.agentic.rl import AgenticGRPOTrainer, AgenticPPOTrainer
+from trainers.diffusion.flow_rl import ImageGroups
+from trainers.diffusion.grpo import FlowGRPOTrainer
+from trainers.diffusion.pretrain import FlowPretrainTrainer
+from trainers.diffusion.sampling import Trajectory
 from trainers.hf.rl import HFGRPOTrainer, HFPPOTrainer
 from trainers.lm.engine import Rollouts
 from trainers.lm.grpo import GRPOTrainer
 from trainers.lm.ppo import PPOTrainer
+from trainers.pe.warmup import PEWarmupTrainer
 
 RANKS = 2
+# Fields every rank's part holds the same value of (a sampling schedule, the trained
+# steps): kept once, not concatenated.
+SHARED_FIELDS = {Trajectory: {"timesteps", "sigmas", "cfg_scale"}, ImageGroups: {"steps"}}
 
 
 def merge(parts: list[Any]) -> Any:
     """The ranks' batch data as one batch: rollouts concatenated (padded to the longest),
-    tensors and lists concatenated, dataclasses field by field."""
+    tensors and lists concatenated, dataclasses and named tuples field by field (a
+    field in SHARED_FIELDS kept once)."""
     first = parts[0]
     if isinstance(first, Rollouts) and first.prompt_mask is not None:
         width = max(p.prompt_ids.shape[1] for p in parts)
@@ -41,10 +51,27 @@ def merge(parts: list[Any]) -> Any:
         return torch.cat(parts)
     if isinstance(first, list):
         return [item for part in parts for item in part]
+    if first is None:
+        return None
+    if isinstance(first, tuple) and hasattr(first, "_fields"):  # a NamedTuple
+        return type(first)(*(merge(list(values)) for values in zip(*parts, strict=True)))
     if dataclasses.is_dataclass(first):
-        fields = dataclasses.fields(first)
-        return type(first)(**{f.name: merge([getattr(p, f.name) for p in parts]) for f in fields})
+        shared = SHARED_FIELDS.get(type(first), set())
+        return type(first)(**{
+            f.name: _same(f.name, values) if f.name in shared else merge(values)
+            for f in dataclasses.fields(first)
+            for values in [[getattr(p, f.name) for p in parts]]
+        })  # fmt: skip
     raise TypeError(f"cannot merge {type(first).__name__}")
+
+
+def _same(name: str, values: list[Any]) -> Any:
+    for value in values[1:]:
+        same = (
+            torch.equal(value, values[0]) if isinstance(value, torch.Tensor) else value == values[0]
+        )
+        assert same, f"{name} differs between the ranks' parts"
+    return values[0]
 
 
 def _left_pad(t: torch.Tensor, width: int) -> torch.Tensor:
@@ -63,7 +90,11 @@ def _shards(trainer: Any, inputs: list[Any], ctx: corun.RolloutContext) -> Any:
     seed = trainer.run_config.run.seed
     for rank in range(RANKS):
         generator = corun.rollout_generator(rank_seed(seed, rank), ctx.index, ctx.attempt)
-        yield list(shard(inputs, rank, RANKS)), dataclasses.replace(ctx, generator=generator)
+        part = shard(inputs, rank, RANKS)
+        yield (
+            list(part) if isinstance(part, Sequence) else part,
+            dataclasses.replace(ctx, generator=generator),
+        )
 
 
 class TwoShards:
@@ -109,4 +140,16 @@ class TwoShardHFGRPO(TwoShardsAsync, HFGRPOTrainer):
 
 
 class TwoShardHFPPO(TwoShardsAsync, HFPPOTrainer):
+    pass
+
+
+class TwoShardFlowPretrain(TwoShards, FlowPretrainTrainer):
+    pass
+
+
+class TwoShardFlowGRPO(TwoShards, FlowGRPOTrainer):
+    pass
+
+
+class TwoShardPEWarmup(TwoShards, PEWarmupTrainer):
     pass

@@ -94,8 +94,17 @@ def two_rank_runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
 
 
 def _weights(run_dir: Path, step: int) -> dict[str, torch.Tensor]:
+    """Every model's weights in the trainer's state (``model``, or each side's, as
+    ``text.model.<name>``), keyed by path."""
     _, tensors = checkpoint.read(checkpoint.step_dir(run_dir, step))
-    return dict(tensors["trainer"]["model"])
+    return _models(tensors["trainer"])
+
+
+def _models(state: dict[str, Any], prefix: str = "") -> dict[str, torch.Tensor]:
+    if "model" in state:
+        return {f"{prefix}{name}": t for name, t in state["model"].items()}
+    sides = (_models(v, f"{prefix}{k}.model.") for k, v in state.items() if isinstance(v, dict))
+    return {name: t for side in sides for name, t in side.items()}
 
 
 def _assert_same(got: Path, expected: Path, exact: bool = False) -> None:

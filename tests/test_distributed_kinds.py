@@ -11,8 +11,11 @@ import pytest
 from tests.dp_trainers import (
     TwoShardAgentic,
     TwoShardAgenticPPO,
+    TwoShardFlowGRPO,
+    TwoShardFlowPretrain,
     TwoShardHFGRPO,
     TwoShardHFPPO,
+    TwoShardPEWarmup,
     TwoShardPPO,
 )
 from tests.test_distributed import (
@@ -32,6 +35,11 @@ TINY_AGENT = {"d_model": 32, "n_heads": 2, "n_layers": 1, "eval_size": 8}
 AGENT = {**TINY_AGENT, **RL}
 HF = {"model": "tiny-llama", "eval_size": 4, "max_new_tokens": 6}
 HF_RL = {**HF, **RL, "rewards": {"tests.test_hf:letter_share": 1.0}, "truncated_reward": "keep"}
+FLOW = {
+    "d_model": 32, "n_heads": 2, "n_layers": 1, "eval_size": 4, "grid_size": 0, "sample_steps": 3,
+}  # fmt: skip
+FLOW_GRPO = {**FLOW, "lr": 1e-2, "grpo": {"samples_per_prompt": 4, "clip_range": 0.2}}
+PE = {**FLOW, "text_d_model": 32, "text_n_layers": 1, "text_n_heads": 2, "text_lr": 1e-2}
 KINDS: Kinds = {
     "ppo": (
         TwoShardPPO,
@@ -44,11 +52,19 @@ KINDS: Kinds = {
     "agentic": (TwoShardAgentic, {"kind": "tests.dp_trainers:TwoShardAgentic", **AGENT}),
     "agentic_ppo": (
         TwoShardAgenticPPO,
+        TwoShardFlowGRPO,
+        TwoShardFlowPretrain,
         {"kind": "tests.dp_trainers:TwoShardAgenticPPO", **AGENT},
     ),
     "hf_sft": (HFSFTTrainer, {"kind": "hf_sft", **HF, "lr": 1e-2}),
     "hf_grpo": (TwoShardHFGRPO, {"kind": "tests.dp_trainers:TwoShardHFGRPO", **HF_RL}),
     "hf_ppo": (TwoShardHFPPO, {"kind": "tests.dp_trainers:TwoShardHFPPO", **HF_RL}),
+    "flow_pretrain": (
+        TwoShardFlowPretrain,
+        {"kind": "tests.dp_trainers:TwoShardFlowPretrain", **FLOW, "lr": 1e-2},
+    ),
+    "flow_grpo": (TwoShardFlowGRPO, {"kind": "tests.dp_trainers:TwoShardFlowGRPO", **FLOW_GRPO}),
+    "pe_warmup": (TwoShardPEWarmup, {"kind": "tests.dp_trainers:TwoShardPEWarmup", **PE}),
 }
 
 

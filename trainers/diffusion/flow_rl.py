@@ -15,6 +15,7 @@ clipping would then bite always.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 from typing import Annotated, Literal
 
@@ -22,7 +23,14 @@ import msgspec
 import torch
 from torch import Tensor
 
-from trainers.diffusion.sampling import Trajectory, VelocityModel, sample_sde, step_log_prob
+from corun import ConfigError, world
+from trainers.diffusion.sampling import (
+    Trajectory,
+    VelocityModel,
+    mean_over,
+    sample_sde,
+    step_log_prob,
+)
 from trainers.diffusion.shapes import Rewards, score
 from trainers.pg import AdvantageScope, clipped_surrogate, group_advantages, zero_std_groups
 
@@ -49,6 +57,23 @@ class FlowGRPOSettings(msgspec.Struct, frozen=True, forbid_unknown_fields=True, 
     kl_coef: NonNegativeFloat = 0.0
     # The reward: color_weight · colour match + (1 − color_weight) · position match.
     color_weight: Annotated[float, msgspec.Meta(ge=0, le=1)] = 0.5
+
+
+def check_data_parallel(settings: FlowGRPOSettings, table: str = "grpo") -> None:
+    """Refuse (one line) the settings a rank cannot apply to its shard alone, under
+    torchrun: a batch-wide advantage std, a random subset of steps per rank."""
+    if not world().parallel:
+        return
+    if settings.adv_scope == "batch":
+        raise ConfigError(
+            f'`$.trainer.{table}.adv_scope` = "batch": not under data-parallel training yet '
+            '(each rank would use its own shard\'s std); use "group" or run.nproc = 1'
+        )
+    if settings.timestep_choice == "random" and settings.timestep_fraction < 1:
+        raise ConfigError(
+            f'`$.trainer.{table}.timestep_choice` = "random": not under data-parallel '
+            'training yet (each rank would train its own steps); use "first" or run.nproc = 1'
+        )
 
 
 @dataclass(frozen=True)
@@ -124,11 +149,12 @@ def sample_groups(
 
 def flow_grpo_step_loss(
     model: VelocityModel, reference: VelocityModel | None, groups: ImageGroups, step: int,
-    settings: FlowGRPOSettings,
+    settings: FlowGRPOSettings, shared: Callable[[Tensor], Tensor] | None = None,
 ) -> tuple[Tensor, dict[str, float]]:  # fmt: skip
     """The mean clipped loss (+ KL) of the groups' transitions at denoising ``step``, and
     its ``clip_ratio``, ``kl`` and ``approx_kl``. A trainer backpropagates one step at a
-    time (micro-batches), so memory holds one step's graph.
+    time (micro-batches), so memory holds one step's graph. ``shared`` (under torchrun
+    ``corun.shared_count``) maps the local image count to the one the means divide by.
 
     Where this departs from the reference implementation, and why:
 
@@ -152,14 +178,14 @@ def flow_grpo_step_loss(
     per_image, _ = clipped_surrogate(
         logp, old_logp, advantages, settings.clip_range, settings.clip_range
     )
-    loss = per_image.mean()
+    loss = mean_over(per_image, shared)
     kl = torch.zeros(())
     if reference is not None:
         with torch.no_grad():
             anchor = step_log_prob(reference, trajectory, step).mean
         # Two Gaussians of equal std: KL = |mean − anchor|² / (2·std²), per pixel.
         distance = (density.mean - anchor).square().flatten(1).mean(dim=1)
-        kl = (distance / (2 * density.std.square())).mean()
+        kl = mean_over(distance / (2 * density.std.square()), shared)
         loss = loss + settings.kl_coef * kl
     log_ratio = logp.detach() - old_logp
     return loss, {

@@ -15,13 +15,14 @@ import msgspec
 import torch
 from torch import Tensor
 
-from corun import Batch, Part, RolloutContext, SetupContext
+from corun import Batch, Part, RolloutContext, SetupContext, shared_count
 from corun.prerequisites import is_config
 from trainers.diffusion.base import FlowTrainer
 from trainers.diffusion.flow_rl import (
     FlowGRPOSettings,
     ImageGroups,
     Sampling,
+    check_data_parallel,
     flow_grpo_step_loss,
     sample_groups,
 )
@@ -46,12 +47,16 @@ class FlowGRPOConfig(FlowTrainerConfig, frozen=True, forbid_unknown_fields=True,
 
 class FlowGRPOTrainer(FlowTrainer[FlowGRPOConfig]):
     Config = FlowGRPOConfig
+    # Under torchrun each rank samples whole groups (its shard of the prompts), and the
+    # loss is a mean over every rank's images (shared_count).
+    data_parallel = True
 
     def prerequisites(self) -> list[str]:
         return [self.config.init_from] if is_config(self.config.init_from) else []
 
     def setup(self, ctx: SetupContext) -> None:
         cfg = self.config
+        check_data_parallel(cfg.grpo)
         self.model = model_from(cfg.init_from) if cfg.init_from else build_model(cfg.model_config())
         self.reference = frozen_copy(self.model) if cfg.grpo.kl_coef > 0 else None
         self.finish_setup(ctx, cfg.lr)
@@ -82,7 +87,12 @@ class FlowGRPOTrainer(FlowTrainer[FlowGRPOConfig]):
         groups = groups.rows(part.mini_rows(len(groups)))
         self.model.train()
         loss, metrics = flow_grpo_step_loss(
-            self.model, self.reference, groups, groups.steps[part.micro], self.config.grpo
+            self.model,
+            self.reference,
+            groups,
+            groups.steps[part.micro],
+            self.config.grpo,
+            shared_count,
         )
         return loss / part.micros, metrics
 

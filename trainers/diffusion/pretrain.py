@@ -17,7 +17,7 @@ import msgspec
 import torch
 from torch import Tensor
 
-from corun import Batch, Part, RolloutContext, SetupContext
+from corun import Batch, Part, RolloutContext, SetupContext, shared_count
 from trainers.diffusion.base import FlowTrainer
 from trainers.diffusion.model import build_model, load_model, model_from
 from trainers.diffusion.sampling import flow_matching_loss
@@ -67,6 +67,7 @@ def flow_batch(data: ShapeBatch, generator: torch.Generator, cond_dropout: float
 
 class FlowPretrainTrainer(FlowTrainer[FlowPretrainConfig]):
     Config = FlowPretrainConfig
+    data_parallel = True  # the loss is a mean over every rank's pixels (shared_count)
 
     def setup(self, ctx: SetupContext) -> None:
         # The runtime has seeded the global RNGs with run.seed: the model init draws from them.
@@ -83,4 +84,7 @@ class FlowPretrainTrainer(FlowTrainer[FlowPretrainConfig]):
         data: FlowBatch = batch.data
         data = data.rows(part.mini_rows(len(data)))
         self.model.train()
-        return flow_matching_loss(self.model, data.images, data.tokens, data.t, data.noise), {}
+        loss = flow_matching_loss(
+            self.model, data.images, data.tokens, data.t, data.noise, shared_count
+        )
+        return loss, {}

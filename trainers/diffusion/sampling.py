@@ -29,6 +29,7 @@ branch alone. All randomness comes from the optional ``generator``.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 from typing import NamedTuple, Protocol
 
@@ -243,8 +244,20 @@ def noised(images: Tensor, t: Tensor, noise: Tensor) -> Tensor:
 
 
 def flow_matching_loss(
-    model: VelocityModel, images: Tensor, tokens: Tensor, t: Tensor, noise: Tensor
-) -> Tensor:
-    """Mean squared error of the predicted velocity against ``ε − x0`` (rectified flow)."""
+    model: VelocityModel, images: Tensor, tokens: Tensor, t: Tensor, noise: Tensor,
+    shared: Callable[[Tensor], Tensor] | None = None,
+) -> Tensor:  # fmt: skip
+    """Mean squared error of the predicted velocity against ``ε − x0`` (rectified flow).
+
+    ``shared`` maps the local element count to the one to divide by: under torchrun
+    ``corun.shared_count``, so the ranks' mean gradient is the global mean's."""
     prediction = model(noised(images, t, noise), t, tokens)
-    return (prediction - (noise - images)).square().mean()
+    return mean_over((prediction - (noise - images)).square(), shared)
+
+
+def mean_over(values: Tensor, shared: Callable[[Tensor], Tensor] | None) -> Tensor:
+    """``values.mean()``, or its sum over ``shared`` of the element count (a mean over
+    every rank's elements; at world size 1 the same float as ``mean``)."""
+    if shared is None:
+        return values.mean()
+    return values.sum() / shared(torch.tensor(float(values.numel()), dtype=values.dtype))

@@ -174,6 +174,10 @@ class ShapeBatch:
     def __len__(self) -> int:
         return self.tokens.shape[0]
 
+    def rows(self, rows: slice) -> ShapeBatch:
+        """Some prompts (a data-parallel rank's share, corun.distributed.shard)."""
+        return ShapeBatch(self.images[rows], self.tokens[rows])
+
 
 def sample_prompts(prompts: Sequence[Prompt], n: int, generator: torch.Generator) -> Tensor:
     """Tokens of ``n`` prompts drawn uniformly (with replacement) from ``prompts``."""

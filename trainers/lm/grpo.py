@@ -51,6 +51,11 @@ class GRPOAlgorithm(PolicyGradientTrainer[GRPOConfig]):
 
     def training_data(self, scored: Scored) -> GRPOBatch:
         cfg, n = self.config, self.config.samples_per_prompt
+        if cfg.adv_scope == "batch" and world().parallel:  # each rank sees its shard only
+            raise ConfigError(
+                '`$.trainer.adv_scope` = "batch": not under data-parallel training yet (each '
+                'rank would normalise by its own shard); use "group" or run.nproc = 1'
+            )
         advantages = group_advantages(scored.rewards, n, cfg.adv_scope, cfg.adv_std_norm)
         return GRPOBatch(scored.rollouts, advantages)
 

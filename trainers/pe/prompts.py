@@ -113,6 +113,10 @@ class UserBatch:
     def __len__(self) -> int:
         return self.targets.shape[0]
 
+    def rows(self, rows: slice) -> UserBatch:
+        """Some users (a data-parallel rank's share, corun.distributed.shard)."""
+        return UserBatch(self.prompt_ids[rows], self.targets[rows], self.texts[rows])
+
 
 def user_batch(targets: Tensor, generator: torch.Generator, plain: bool = False) -> UserBatch:
     """User phrasings of the prompts in ``targets`` (flow tokens)."""

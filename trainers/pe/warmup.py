@@ -9,7 +9,8 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from corun import Batch, Part, RolloutContext
+from corun import Batch, Part, RolloutContext, shared_count
+from trainers.diffusion.sampling import mean_over
 from trainers.pe.base import PEBase, PEBaseConfig
 from trainers.pe.prompts import FLOW_BASE, UserBatch
 from trainers.pe.rewriter import rewrite_logprobs
@@ -22,6 +23,7 @@ class PEWarmupConfig(PEBaseConfig, frozen=True, forbid_unknown_fields=True, kw_o
 class PEWarmupTrainer(PEBase[PEWarmupConfig]):
     Config = PEWarmupConfig
     plain_prompts = True
+    data_parallel = True  # the loss is a mean over every rank's rewrite tokens
 
     def rollout(self, inputs: UserBatch, ctx: RolloutContext) -> Batch:
         """The prompts and their true rewrites: nothing is generated."""
@@ -33,7 +35,7 @@ class PEWarmupTrainer(PEBase[PEWarmupConfig]):
         rows = part.mini_rows(len(users))
         self.policy.train()
         sequences = torch.cat([users.prompt_ids[rows], users.targets[rows] + FLOW_BASE], dim=1)
-        return -rewrite_logprobs(self.policy, sequences, 1.0).mean(), {}
+        return -mean_over(rewrite_logprobs(self.policy, sequences, 1.0), shared_count), {}
 
 
 __all__ = ["PEWarmupConfig", "PEWarmupTrainer"]
