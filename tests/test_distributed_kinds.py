@@ -52,8 +52,6 @@ KINDS: Kinds = {
     "agentic": (TwoShardAgentic, {"kind": "tests.dp_trainers:TwoShardAgentic", **AGENT}),
     "agentic_ppo": (
         TwoShardAgenticPPO,
-        TwoShardFlowGRPO,
-        TwoShardFlowPretrain,
         {"kind": "tests.dp_trainers:TwoShardAgenticPPO", **AGENT},
     ),
     "hf_sft": (HFSFTTrainer, {"kind": "hf_sft", **HF, "lr": 1e-2}),
