@@ -186,3 +186,27 @@ def start_error(log: str, config: VLLMConfig) -> ConfigError | None:
         detail = f"{invalid[2].strip()}: {invalid[3].strip()}"
         return ConfigError(f"vLLM server {invalid[1]}: {detail}"[:400])
     return unsupported_model(log, config.model)
+
+
+class DrainingEngine:
+    """What both vLLM engines share: a version, and the admission every generation
+    and update goes through (an update drains running generations: no partial
+    rollouts, so ``interrupts`` is false)."""
+
+    def __init__(self) -> None:
+        self._version = 0
+        self._admission = Admission()
+
+    @property
+    def version(self) -> int:
+        return self._version
+
+    @property
+    def interrupts(self) -> bool:
+        return False
+
+    async def pause(self) -> None:
+        await self._admission.pause()
+
+    async def resume(self) -> None:
+        self._admission.resume()

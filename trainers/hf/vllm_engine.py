@@ -54,7 +54,7 @@ from corun import ConfigError, Lane, cancel_point
 from corun.engine import EngineError, Finish, Generation, Sampling
 from trainers.hf.vllm_common import (
     OPTIONS,
-    Admission,
+    DrainingEngine,
     EngineOptions,
     VLLMConfig,
     one_line,
@@ -66,7 +66,7 @@ from trainers.hf.vllm_common import (
 __all__ = ["EngineOptions", "VLLMConfig", "VLLMEngine"]  # the settings, for engines.py
 
 
-class VLLMEngine:
+class VLLMEngine(DrainingEngine):
     """``vllm.LLM`` in this process; create with ``await VLLMEngine.start(config)``."""
 
     _live: VLLMEngine | None = None  # the started engine not yet shut down, if any
@@ -75,9 +75,8 @@ class VLLMEngine:
         self._llm = llm
         self._config = config
         self._lane, self._owns_lane = lane, owns_lane
-        self._version = 0
+        super().__init__()
         self._dead: str | None = None  # why the engine cannot be used any more
-        self._admission = Admission()
         self._ids = itertools.count()
 
     @classmethod
@@ -116,14 +115,6 @@ class VLLMEngine:
             await engine.shutdown()
             raise
         return engine
-
-    @property
-    def version(self) -> int:
-        return self._version
-
-    @property
-    def interrupts(self) -> bool:
-        return False
 
     async def generate(
         self, prompts: Sequence[Sequence[int]], sampling: Sampling, seed: int
@@ -167,12 +158,6 @@ class VLLMEngine:
             self._version = version
         finally:
             self._admission.resume()
-
-    async def pause(self) -> None:
-        await self._admission.pause()
-
-    async def resume(self) -> None:
-        self._admission.resume()
 
     async def health(self) -> bool:
         return self._dead is None

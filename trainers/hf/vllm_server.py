@@ -47,7 +47,7 @@ from corun import ChildProcess, ConfigError
 from corun.engine import EngineError, Finish, Generation, Sampling
 from trainers.hf.vllm_common import (
     OPTIONS,
-    Admission,
+    DrainingEngine,
     VLLMConfig,
     last_error_line,
     one_line,
@@ -63,15 +63,14 @@ PROCESSOR = "trainers.hf.vllm_worker:BehaviourLogprobs"
 EXTENSION = "trainers.hf.vllm_worker.WeightSync"
 
 
-class VLLMServerEngine:
+class VLLMServerEngine(DrainingEngine):
     """Create with ``await VLLMServerEngine.start(config)``; ``shutdown`` stops the group."""
 
     def __init__(self, child: ChildProcess, url: str, config: VLLMConfig, workdir: Path) -> None:
         self._child, self._url, self._config, self._workdir = child, url, config, workdir
-        self._version = 0
+        super().__init__()
         self._dead: str | None = None
         self._stopped = False
-        self._admission = Admission()
 
     @classmethod
     async def start(cls, config: VLLMConfig) -> VLLMServerEngine:
@@ -95,14 +94,6 @@ class VLLMServerEngine:
             await engine.shutdown()
             raise
         return engine
-
-    @property
-    def version(self) -> int:
-        return self._version
-
-    @property
-    def interrupts(self) -> bool:
-        return False
 
     @property
     def pid(self) -> int:
@@ -162,12 +153,6 @@ class VLLMServerEngine:
             self._version = version
         finally:
             self._admission.resume()
-
-    async def pause(self) -> None:
-        await self._admission.pause()
-
-    async def resume(self) -> None:
-        self._admission.resume()
 
     async def health(self) -> bool:
         if self._dead is not None or self._child.popen.poll() is not None:
