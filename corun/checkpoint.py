@@ -5,7 +5,7 @@ file is flushed to disk, so a crash mid-write never leaves a directory that look
 complete. It holds the trainer's tensors (``trainer.pt``: ``{"trainer": its
 state_dict, "kept": runtime-side components}``, loaded with ``weights_only=True``: no
 arbitrary objects are unpickled) and a small typed state (``state.json``): step,
-version, data cursor, run id, config digest. No RNG state: every draw after set-up
+version, data cursor, run id, config digest, trainer kind. No RNG state: every draw after set-up
 comes from generators seeded by position (corun/rng.py).
 """
 
@@ -21,12 +21,13 @@ import msgspec
 import torch
 
 from corun.config import Config
-from corun.errors import CheckpointError
+from corun.errors import CheckpointError, ConfigError
 
 CHECKPOINTS_DIR = "checkpoints"
 STATE_FILE = "state.json"
 TENSORS_FILE = "trainer.pt"
-FORMAT_VERSION = 2  # 1 held global RNG states and bare trainer tensors
+FORMAT_VERSION = 3  # 1 held global RNG states and bare trainer tensors; 2 no kind
+_READABLE = (2, FORMAT_VERSION)
 _STEP_DIR = re.compile(r"^step-(\d+)$")
 
 
@@ -45,6 +46,14 @@ class TrainerState(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     config_digest: str
     # Indexes above the cursor already trained (completion-order consumption only).
     trained_ahead: list[int] = []
+    # `trainer.kind` of the run that wrote it: a run directory belongs to one kind
+    # ("" in format 2: not checked).
+    trainer_kind: str = ""
+
+
+class WriteError(RuntimeError):
+    """A checkpoint could not be written (disk full, I/O error); one line that says
+    whether the previous checkpoint is intact."""
 
 
 def snapshot(tree: Any) -> Any:
@@ -126,7 +135,12 @@ def write(run_dir: Path, step: int, tensors: Any, state: TrainerState) -> Path:
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir()
     with open(tmp / TENSORS_FILE, "wb") as f:
-        torch.save(tensors, f)
+        try:
+            torch.save(tensors, f)
+        except RuntimeError as exc:  # torch's writer hides the OSError (disk full) in here
+            if isinstance(exc.__context__, OSError):
+                raise exc.__context__ from None
+            raise
         f.flush()
         os.fsync(f.fileno())
     with open(tmp / STATE_FILE, "wb") as f:
@@ -161,10 +175,10 @@ def read(path: Path) -> tuple[TrainerState, Any]:
         raw = (path / STATE_FILE).read_bytes()
         # The format first: another format's fields would read as damage.
         found = msgspec.json.decode(raw, type=_Format).format
-        if found != FORMAT_VERSION:
+        if found not in _READABLE:
             raise CheckpointError(
                 f"{path / STATE_FILE}: checkpoint format {found}, this corun reads "
-                f"format {FORMAT_VERSION}"
+                f"formats {_READABLE[0]}-{FORMAT_VERSION}"
             )
         state = msgspec.json.decode(raw, type=TrainerState)
     except OSError as exc:
@@ -181,6 +195,51 @@ def read(path: Path) -> tuple[TrainerState, Any]:
     if not (isinstance(tensors, dict) and isinstance(tensors.get("trainer"), dict)):
         raise CheckpointError(f"{path / TENSORS_FILE}: not a corun checkpoint (no trainer state)")
     return state, tensors
+
+
+def restore_point(config: Config) -> tuple[TrainerState, Any] | None:
+    """The checkpoint this run resumes from, read and checked against the run's trainer
+    kind (blocking); None for a fresh start."""
+    path = resume_point(config)
+    if path is None:
+        return None
+    state, tensors = read(path)
+    kind = config.trainer.kind
+    if state.trainer_kind and state.trainer_kind != kind:
+        raise CheckpointError(
+            f"{path}: a checkpoint of trainer kind {state.trainer_kind!r}, not {kind!r}: "
+            "a run directory belongs to one trainer kind; to start from these weights, "
+            f"set trainer.init_from = {str(path)!r} in a new run.dir"
+        )
+    return state, tensors
+
+
+def check_writable(run_dir: Path) -> None:
+    """Refuse, before anything is written, a run directory that cannot be written."""
+    existing = run_dir
+    while not existing.exists() and existing != existing.parent:
+        existing = existing.parent
+    for place in (existing, checkpoints_dir(run_dir)):
+        if place.exists() and not (place.is_dir() and os.access(place, os.W_OK | os.X_OK)):
+            why = "not a directory" if not place.is_dir() else "not writable"
+            raise ConfigError(f"`$.run.dir` = {str(run_dir)!r}: {place} is {why}")
+
+
+def write_failed(run_dir: Path, step: int, exc: OSError) -> WriteError:
+    """The error of a failed write, once its partial files are gone and the previous
+    checkpoint has been read back whole."""
+    remove_partial_writes(run_dir)
+    why = exc.strerror or str(exc)
+    previous = latest(run_dir)
+    if previous is None:
+        kept = "no earlier checkpoint"
+    else:
+        try:
+            read(previous)
+            kept = f"{previous.name} is intact (resume from it with checkpoint.resume=true)"
+        except CheckpointError as damaged:
+            kept = f"the previous one is damaged too: {damaged}"
+    return WriteError(f"checkpoint step-{step} not written ({why}); {kept}")
 
 
 def latest(run_dir: Path) -> Path | None:

@@ -71,6 +71,7 @@ class Checkpointer:
             trained_ahead=sorted(clock.trained_ahead),
             run_id=self.run_id,
             config_digest=self.config.digest(),
+            trainer_kind=self.config.trainer.kind,
         )
         self.last_saved = clock.step
         path = checkpoint.step_dir(self.run_dir, state.step)
@@ -105,6 +106,12 @@ class Checkpointer:
                 )
                 await blocking_io(mode, checkpoint.prune, self.run_dir, keep)
             self.events.emit("checkpoint_written", state.step, path=str(path))
+        except OSError as exc:  # disk full, I/O error: say what survives
+            failed = await blocking_io(
+                self.config.loop.compute, checkpoint.write_failed, self.run_dir, state.step, exc
+            )
+            self.error = self.error or failed
+            self.control.stop("error")
         except Exception as exc:  # a failed save fails the run: stop it, surface the error
             self.error = self.error or exc
             self.control.stop("error")

@@ -179,7 +179,7 @@ async def _train(trainer: Trainer[Any], config: Config, serve_only: bool = False
         except UsageError as exc:
             print(f"corun: error: {exc}", file=sys.stderr)
             code = EXIT_USAGE
-        except (EngineError, distributed.CollectiveError) as exc:  # its message says it all
+        except (EngineError, distributed.CollectiveError, checkpoint.WriteError) as exc:
             print(f"corun: error: {exc}", file=sys.stderr)
             code = EXIT_ERROR
         except Exception:

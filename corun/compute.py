@@ -54,6 +54,11 @@ def cancel_point() -> None:
         raise LaneCancelled
 
 
+def in_lane_call() -> bool:
+    """Whether this thread runs a lane call (so :func:`cancel_point` can stop it)."""
+    return getattr(_lane_local, "call", None) is not None
+
+
 @dataclass
 class _Call(Generic[T]):
     fn: Callable[..., T]

@@ -42,7 +42,7 @@ import msgspec
 import torch
 import torch.distributed as dist
 
-from corun.compute import cancel_point
+from corun.compute import cancel_point, in_lane_call
 from corun.config import Config
 from corun.errors import ConfigError
 from corun.rng import stable_seed
@@ -54,6 +54,9 @@ SUPPORTED = (
 )
 _POLL_S = 0.0005  # how often a pending collective is checked (and a stop noticed)
 _PR_SET_PDEATHSIG = 1
+# How long a rank whose peer vanished waits for its own stop request before it calls
+# the vanishing an error (the launcher signals every rank at once).
+_STOP_GRACE_S = 2.0
 
 
 class CollectiveError(RuntimeError):
@@ -246,10 +249,23 @@ def all_reduce_sum(tensor: torch.Tensor, what: str) -> None:
     except (RuntimeError, dist.DistError) as exc:
         if isinstance(exc, CollectiveError):
             raise
+        _stop_grace()
         first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
         raise CollectiveError(_message(what, first)) from None
     finally:
         _local.spent_s = getattr(_local, "spent_s", 0.0) + time.monotonic() - started
+
+
+def _stop_grace() -> None:
+    """After a peer vanished, wait briefly for this rank's own stop: on Ctrl-C every rank
+    gets the signal, and a peer that stopped first must not make this rank's stop read
+    as an error. Raises the lane's cancellation if the stop arrives in time."""
+    if getattr(_local, "uncancellable", False) or not in_lane_call():
+        return  # inline compute: the loop sees its stop only after this call returns
+    deadline = time.monotonic() + _STOP_GRACE_S
+    while time.monotonic() < deadline:
+        cancel_point()
+        time.sleep(0.01)
 
 
 def _message(what: str, why: str) -> str:

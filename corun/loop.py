@@ -63,10 +63,8 @@ async def run(
     outcome: Outcome | None = None
     try:
         with guest.running():  # the host's loop gets the GIL within ~1 ms (corun/guest.py)
-            resume_from = checkpoint.resume_point(config)
-            restored = None
-            if resume_from is not None:
-                restored = await blocking_io(config.loop.compute, checkpoint.read, resume_from)
+            checkpoint.check_writable(config.run_dir)
+            restored = await blocking_io(config.loop.compute, checkpoint.restore_point, config)
             config.run_dir.mkdir(parents=True, exist_ok=True)
             checkpoint.remove_partial_writes(config.run_dir)
             outcome = await _Run(trainer, config, session, restored).run()
@@ -150,6 +148,9 @@ class _Run:
             self.teardown.step = self.clock.step
             self.events.emit("teardown:stop", self.clock.step, status="ok")
             teardown_error = await self.teardown.run()
+            if failure is None and self.checkpointer.error is not None:  # the last save's
+                failure = self.checkpointer.error
+                self.outcome = self._outcome(failure)
             for lane in {self.train_lane, *self.rollout_lanes}:
                 lane.close()
             self.trace.close()
@@ -173,9 +174,8 @@ class _Run:
             await self._prerequisite(Path(prerequisite))
         self.reporter.start()
         teardown.push("logging", self.reporter.close)
-        # Model init draws from the global RNGs. Seeded on the lane: the first seeding
-        # imports numpy.random and reads source files (torch's lazy CUDA seeding records a
-        # stack), ~10 ms the host's loop would wait.
+        # Model init draws from the global RNGs; seeded on the lane: the first seeding
+        # imports numpy.random and reads source files, ~10 ms the host's loop would wait.
         await self.train_lane.run(seed_everything, config.run.seed)
         ctx = SetupContext(config, register=teardown.push)
         ctx.lane = self.train_lane
