@@ -23,7 +23,9 @@ from trainers.hf.rl import HFGRPOTrainer, HFPPOTrainer
 from trainers.lm.engine import Rollouts
 from trainers.lm.grpo import GRPOTrainer
 from trainers.lm.ppo import PPOTrainer
+from trainers.lm.tasks import PAD, TokenBatch
 from trainers.pe.warmup import PEWarmupTrainer
+from trainers.unified import UnifiedPretrainTrainer, UnifiedTrainer
 
 RANKS = 2
 # Fields every rank's part holds the same value of (a sampling schedule, the trained
@@ -47,6 +49,14 @@ def merge(parts: list[Any]) -> Any:
         return dataclasses.replace(Rollouts.concat(plain), prompt_mask=torch.cat(masks))
     if isinstance(first, Rollouts):
         return Rollouts.concat(parts)
+    if isinstance(first, TokenBatch):  # each part right-padded to its own longest row
+        width = max(p.inputs.shape[1] for p in parts)
+        return TokenBatch(
+            *(
+                torch.cat([_right_pad(getattr(p, name), width, fill) for p in parts])
+                for name, fill in (("inputs", PAD), ("targets", PAD), ("loss_mask", False))
+            )
+        )
     if isinstance(first, torch.Tensor):
         return torch.cat(parts)
     if isinstance(first, list):
@@ -77,6 +87,12 @@ def _same(name: str, values: list[Any]) -> Any:
 def _left_pad(t: torch.Tensor, width: int) -> torch.Tensor:
     """Left padding under a prompt mask: the pads' value is never attended to."""
     return torch.nn.functional.pad(t, (width - t.shape[1], 0))
+
+
+def _right_pad(t: torch.Tensor, width: int, fill: Any) -> torch.Tensor:
+    """Right padding of teacher-forcing rows: masked out of the loss, and causal
+    attention never lets a real token see it."""
+    return torch.nn.functional.pad(t, (0, width - t.shape[1]), value=fill)
 
 
 def _merged(parts: list[corun.Batch]) -> corun.Batch:
@@ -152,4 +168,12 @@ class TwoShardFlowGRPO(TwoShards, FlowGRPOTrainer):
 
 
 class TwoShardPEWarmup(TwoShards, PEWarmupTrainer):
+    pass
+
+
+class TwoShardUnifiedPretrain(TwoShards, UnifiedPretrainTrainer):
+    pass
+
+
+class TwoShardUnified(TwoShards, UnifiedTrainer):
     pass

@@ -248,10 +248,13 @@ def test_a_killed_rank_fails_the_run(start_corun: Callable[..., CorunRun]) -> No
 
 def test_a_kind_that_cannot_shard_is_refused(tmp_path: Path) -> None:
     cfg = tmp_path / "cfg.toml"
-    cfg.write_text(tomli_w.dumps({"trainer": {"kind": "unified"}, "run": {"nproc": 2}}))
+    cfg.write_text(
+        tomli_w.dumps({"trainer": {"kind": "tests.fakes:FakeTrainer"}, "run": {"nproc": 2}})
+    )
     done = subprocess.run(
         [sys.executable, "-m", "corun", "train", str(cfg)],
         cwd=tmp_path, capture_output=True, text=True, timeout=60,
+        env={**os.environ, "PYTHONPATH": str(REPO)},
     )  # fmt: skip
     assert done.returncode == 2, done.stderr
     lines = done.stderr.strip().splitlines()

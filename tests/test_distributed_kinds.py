@@ -26,6 +26,7 @@ from tests.test_distributed import (
     _tables,
     _two_ranks,
 )
+from tests.test_distributed_unified import KINDS as UNIFIED
 from trainers.agentic.sft import AgenticSFTTrainer
 from trainers.hf.sft import HFSFTTrainer
 from trainers.hf.tiny import built_in
@@ -63,6 +64,7 @@ KINDS: Kinds = {
     ),
     "flow_grpo": (TwoShardFlowGRPO, {"kind": "tests.dp_trainers:TwoShardFlowGRPO", **FLOW_GRPO}),
     "pe_warmup": (TwoShardPEWarmup, {"kind": "tests.dp_trainers:TwoShardPEWarmup", **PE}),
+    **UNIFIED,
 }
 
 

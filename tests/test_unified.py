@@ -183,7 +183,7 @@ async def test_other_checkpoints_are_refused(tmp_path: Path) -> None:
             await corun.run(UnifiedTrainer(rl), rl)
     # Resuming into a run directory that holds another kind's checkpoint is refused too.
     resumed = _config(tmp_path / "flow", "rl", 2)
-    with pytest.raises(corun.CheckpointError, match="not of a unified model"):
+    with pytest.raises(corun.CheckpointError, match="trainer kind 'flow_pretrain', not 'unified'"):
         await corun.run(UnifiedTrainer(resumed), resumed)
 
 

@@ -8,7 +8,7 @@ carry the track (``train/text/loss``, ``rollout/image/reward_mean``, ``eval/text
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Annotated, Any, Generic, TypeVar
 
@@ -34,6 +34,21 @@ class Tracks(Generic[TextT, ImageT]):
 
     text: TextT
     image: ImageT
+
+    def __len__(self) -> int:
+        """The rows of each track (a data batch has as many prompts in both)."""
+        text, image = len(self.text), len(self.image)  # type: ignore[arg-type]
+        if text != image:
+            raise ValueError(f"the tracks have {text} and {image} rows: no common row count")
+        return text
+
+    def rows(self, rows: slice) -> Tracks[TextT, ImageT]:
+        """The same rows of both tracks (a data-parallel rank's share, corun.distributed.shard)."""
+        return Tracks(_rows(self.text, rows), _rows(self.image, rows))
+
+
+def _rows(items: Any, rows: slice) -> Any:
+    return items[rows] if isinstance(items, Sequence) else items.rows(rows)
 
 
 class TrackData:

@@ -5,7 +5,8 @@ A batch holds a text SFT batch (teacher-forced cross-entropy on the task's answe
 (:func:`trainers.diffusion.sampling.flow_matching_loss`, its noise, times and
 condition dropout drawn by :func:`trainers.diffusion.pretrain.flow_batch`); the loss is
 the weighted sum of the two, one optimizer step per update. Its checkpoints
-warm-start the unified RL trainer.
+warm-start the unified RL trainer. Under torchrun each track's loss is a mean over
+every rank's answer tokens or pixels (``corun.shared_count``).
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ from typing import Annotated, Any
 import msgspec
 from torch import Tensor
 
-from corun import Batch, Part, RolloutContext, SetupContext
+from corun import Batch, Part, RolloutContext, SetupContext, shared_count
 from trainers.diffusion.pretrain import FlowBatch, flow_batch
 from trainers.diffusion.sampling import flow_matching_loss
 from trainers.lm.sft import masked_loss_sum
@@ -31,6 +32,7 @@ class UnifiedPretrainConfig(UnifiedSettings, frozen=True, forbid_unknown_fields=
 
 class UnifiedPretrainTrainer(UnifiedBase[UnifiedPretrainConfig]):
     Config = UnifiedPretrainConfig
+    data_parallel = True  # both tracks' means divide by the shared count
 
     def setup(self, ctx: SetupContext) -> None:
         # The runtime has seeded the global RNGs with run.seed: the model init draws from them.
@@ -49,9 +51,10 @@ class UnifiedPretrainTrainer(UnifiedBase[UnifiedPretrainConfig]):
         text = text.rows(part.mini_rows(len(text)))
         image = image.rows(part.mini_rows(len(image)))
         self.model.train()
-        text_loss = masked_loss_sum(self.model(text.inputs), text) / text.loss_mask.sum()
+        tokens = shared_count(text.loss_mask.sum())
+        text_loss = masked_loss_sum(self.model(text.inputs), text) / tokens
         image_loss = flow_matching_loss(
-            self.model.flow, image.images, image.tokens, image.t, image.noise
+            self.model.flow, image.images, image.tokens, image.t, image.noise, shared_count
         )
         loss = cfg.text_weight * text_loss + cfg.image_weight * image_loss
         return loss, {

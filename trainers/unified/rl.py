@@ -9,6 +9,11 @@ get group advantages. The loss is the text track's clipped loss (with the first
 micro-batch) plus the image track's, one trained denoising step per micro-batch
 (:func:`trainers.diffusion.flow_rl.flow_grpo_step_loss`), each times its track weight;
 the runtime applies one update per window.
+
+Under torchrun each rank samples whole groups of both tracks (its shard of the
+prompts) and each track's loss is a mean over every rank's tokens or images
+(``corun.shared_count``); batch-scoped advantages and random trained steps, which
+need the whole batch, are refused there.
 """
 
 from __future__ import annotations
@@ -20,12 +25,13 @@ import msgspec
 import torch
 from torch import Tensor
 
-from corun import Batch, Part, RolloutContext, SetupContext
+from corun import Batch, ConfigError, Part, RolloutContext, SetupContext, shared_count, world
 from corun.prerequisites import is_config
 from trainers.diffusion.flow_rl import (
     FlowGRPOSettings,
     ImageGroups,
     Sampling,
+    check_data_parallel,
     flow_grpo_step_loss,
     sample_groups,
 )
@@ -99,9 +105,16 @@ class UnifiedTrainer(UnifiedBase[UnifiedConfig]):
     """Registered as ``unified``."""
 
     Config = UnifiedConfig
+    data_parallel = True  # rows are whole groups; both tracks' means use shared_count
 
     def setup(self, ctx: SetupContext) -> None:
         cfg = self.config
+        if cfg.text.adv_scope == "batch" and world().parallel:  # a rank sees its shard only
+            raise ConfigError(
+                '`$.trainer.text.adv_scope` = "batch": not under data-parallel training yet '
+                '(each rank would normalise by its own shard); use "group" or run.nproc = 1'
+            )
+        check_data_parallel(cfg.image, "image")
         if cfg.init_from:
             model = unified_from(cfg.init_from)
         else:
@@ -171,8 +184,9 @@ class UnifiedTrainer(UnifiedBase[UnifiedConfig]):
             text_metrics["loss"] = float(text_loss.detach())
             metrics |= {f"text/{key}": value for key, value in text_metrics.items()}
         step_loss, image_metrics = flow_grpo_step_loss(
-            self.model.flow, self.reference, image, image.steps[part.micro], cfg.image
-        )
+            self.model.flow, self.reference, image, image.steps[part.micro], cfg.image,
+            shared_count,
+        )  # fmt: skip
         loss = loss + cfg.image_weight * step_loss / part.micros
         image_metrics["loss"] = float(step_loss.detach())
         metrics |= {f"image/{key}": value for key, value in image_metrics.items()}
