@@ -50,7 +50,7 @@ from corun.rng import stable_seed
 # The kinds that opt in (``data_parallel = True``), for the refusal's message.
 SUPPORTED = (
     "sft, grpo, ppo, agentic_sft, agentic, agentic_ppo, hf_sft, hf_grpo, hf_ppo, "
-    "flow_pretrain, flow_grpo, pe_warmup, unified_pretrain, unified"
+    "flow_pretrain, flow_grpo, pe_warmup, pe, unified_pretrain, unified"
 )
 _POLL_S = 0.0005  # how often a pending collective is checked (and a stop noticed)
 _PR_SET_PDEATHSIG = 1

@@ -55,10 +55,12 @@ class FlowModelConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, k
 
 
 def timestep_embedding(t: Tensor, dim: int) -> Tensor:
-    """Sinusoidal features of t ∈ [0, 1], (N,) → (N, dim); t is scaled by 1000 as in DiT."""
+    """Sinusoidal features of t ∈ [0, 1], (N,) → (N, dim); t is scaled by 1000 as in DiT.
+    Computed in float32, or in float64 for a float64 t (a model built in float64)."""
     half = dim // 2
-    freqs = torch.exp(-math.log(10_000.0) * torch.arange(half, dtype=torch.float32) / half)
-    angles = 1000.0 * t.float().unsqueeze(1) * freqs.unsqueeze(0)
+    dtype = torch.float64 if t.dtype == torch.float64 else torch.float32
+    freqs = torch.exp(-math.log(10_000.0) * torch.arange(half, dtype=dtype) / half)
+    angles = 1000.0 * t.to(dtype).unsqueeze(1) * freqs.unsqueeze(0)
     return torch.cat([angles.cos(), angles.sin()], dim=1)
 
 

@@ -12,6 +12,11 @@ clipped policy gradient on the rewrite tokens; the image track's is Flow-GRPO's,
 trained denoising step per micro-batch, unless ``freeze_diffusion``. A sync publishes
 both sides together, so a rollout never pairs a rewriter of one version with a
 sampler of another.
+
+Data-parallel (torchrun): each rank rewrites its shard of the users (whole text
+groups, and each rewrite's whole image group), both losses are means over every
+rank's tokens and images (``corun.shared_count``), and like Flow-GRPO it refuses
+batch-scoped advantages and random trained steps (each rank would use its own).
 """
 
 from __future__ import annotations
@@ -23,11 +28,12 @@ import msgspec
 import torch
 from torch import Tensor
 
-from corun import Batch, Part, RolloutContext, SetupContext
+from corun import Batch, Part, RolloutContext, SetupContext, shared_count
 from trainers.diffusion.flow_rl import (
     FlowGRPOSettings,
     ImageGroups,
     Sampling,
+    check_data_parallel,
     flow_grpo_step_loss,
     sample_groups,
 )
@@ -69,10 +75,15 @@ Pair = tuple[LocalEngine, FlowDiT]  # a rollout thread's rewriter and sampler
 
 class PromptEnhancerTrainer(PEBase[PromptEnhancerConfig]):
     Config = PromptEnhancerConfig
+    # Under torchrun each rank rewrites its shard of the users (whole text groups, each
+    # rewrite's whole image group), and both losses are means over every rank's
+    # tokens and images (shared_count).
+    data_parallel = True
 
     def setup(self, ctx: SetupContext) -> None:
-        super().setup(ctx)  # the flow model, the text policy and its optimizer, eval
         cfg = self.config
+        check_data_parallel(cfg.grpo)
+        super().setup(ctx)  # the flow model, the text policy and its optimizer, eval
         if not cfg.freeze_diffusion:
             ctx.add_optimizer(self.optimizer, grad_clip=cfg.grad_clip, name="image")
         self.reference = frozen_copy(self.model) if cfg.grpo.kl_coef > 0 else None
@@ -140,8 +151,9 @@ class PromptEnhancerTrainer(PEBase[PromptEnhancerConfig]):
         if not self.config.freeze_diffusion:
             images = data.images.rows(part.mini_rows(len(data.images)))
             self.model.train()
+            step = images.steps[part.micro]
             step_loss, image_metrics = flow_grpo_step_loss(
-                self.model, self.reference, images, images.steps[part.micro], self.config.grpo
+                self.model, self.reference, images, step, self.config.grpo, shared_count
             )
             loss = loss + step_loss / part.micros
             image_metrics["loss"] = float(step_loss.detach())
@@ -156,7 +168,7 @@ class PromptEnhancerTrainer(PEBase[PromptEnhancerConfig]):
         per_token, clipped = clipped_surrogate(
             logp, rewrites.logprobs, data.advantages[rows], cfg.text_clip, cfg.text_clip
         )
-        loss = aggregate(per_token, rewrites.response_mask, "token-mean")
+        loss = aggregate(per_token, rewrites.response_mask, "token-mean", shared_count)
         return loss, {
             "loss": float(loss.detach()),
             "clip_ratio": float(clipped.float().mean()),
