@@ -3,10 +3,12 @@
 A checkpoint is written under a temporary name and renamed into place after every
 file is flushed to disk, so a crash mid-write never leaves a directory that looks
 complete. It holds the trainer's tensors (``trainer.pt``: ``{"trainer": its
-state_dict, "kept": runtime-side components}``, loaded with ``weights_only=True``: no
-arbitrary objects are unpickled) and a small typed state (``state.json``): step,
-version, data cursor, run id, config digest, trainer kind. No RNG state: every draw after set-up
-comes from generators seeded by position (corun/rng.py).
+state_dict, "kept": runtime-side components}``, and with ``checkpoint.keep_rollouts``
+``"rollouts"``: the finished, untrained batches, corun/kept_rollouts.py; loaded with
+``weights_only=True``: no arbitrary objects are unpickled) and a small typed state
+(``state.json``): step, version, data cursor, run id, config digest, trainer kind. No
+RNG state: every draw after set-up comes from generators seeded by position
+(corun/rng.py).
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ from __future__ import annotations
 import os
 import re
 import shutil
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
@@ -181,6 +184,7 @@ def read(path: Path) -> tuple[TrainerState, Any]:
                 f"formats {_READABLE[0]}-{FORMAT_VERSION}"
             )
         state = msgspec.json.decode(raw, type=TrainerState)
+        _check_consistent(path, state)
     except OSError as exc:
         raise CheckpointError(f"{path / STATE_FILE}: cannot read ({exc.strerror})") from None
     except msgspec.DecodeError as exc:
@@ -227,8 +231,9 @@ def check_writable(run_dir: Path) -> None:
 
 def write_failed(run_dir: Path, step: int, exc: OSError) -> WriteError:
     """The error of a failed write, once its partial files are gone and the previous
-    checkpoint has been read back whole."""
-    remove_partial_writes(run_dir)
+    checkpoint has been read back whole. Only this write's files: an earlier save may
+    still be writing its own (writes run in the background and can overlap)."""
+    shutil.rmtree(checkpoints_dir(run_dir) / f".tmp-step-{step}-{os.getpid()}", ignore_errors=True)
     why = exc.strerror or str(exc)
     previous = latest(run_dir)
     if previous is None:
@@ -240,6 +245,66 @@ def write_failed(run_dir: Path, step: int, exc: OSError) -> WriteError:
         except CheckpointError as damaged:
             kept = f"the previous one is damaged too: {damaged}"
     return WriteError(f"checkpoint step-{step} not written ({why}); {kept}")
+
+
+def _check_consistent(path: Path, state: TrainerState) -> None:
+    """Counters that contradict each other or the directory's name: damage (a resume
+    from them would wait for data indexes that never come)."""
+    named = _STEP_DIR.match(path.name)
+    ahead = state.trained_ahead
+    problems = [
+        (min(state.step, state.version, state.data_cursor) < 0, "negative counters"),
+        (named is not None and int(named[1]) != state.step, f"step {state.step} in {path.name}"),
+        (state.version > state.step, f"version {state.version} above step {state.step}"),
+        (
+            any(i <= state.data_cursor for i in ahead) or len(set(ahead)) != len(ahead),
+            "trained_ahead not above the data cursor, or repeated",
+        ),
+        (
+            state.data_cursor + len(ahead) > state.step,  # one data index per step
+            f"data cursor {state.data_cursor} + {len(ahead)} ahead beyond step {state.step}",
+        ),
+    ]
+    for found, why in problems:
+        if found:
+            raise CheckpointError(f"{path / STATE_FILE}: damaged checkpoint state: {why}")
+
+
+def check_optimizers(optimizers: Iterable[torch.optim.Optimizer]) -> None:
+    """Raise ValueError for the first just-loaded optimizer state that cannot be stepped."""
+    for optimizer in optimizers:
+        damage = optimizer_damage(optimizer)
+        if damage:
+            raise ValueError(damage)
+
+
+def optimizer_damage(optimizer: torch.optim.Optimizer) -> str:
+    """What in a just-loaded optimizer state cannot be stepped ("" if nothing):
+    torch's load_state_dict checks the parameter counts, not the state's contents."""
+    for group in optimizer.param_groups:
+        for key, default in optimizer.defaults.items():
+            value = group.get(key, _MISSING)
+            if value is _MISSING:
+                return f"param group without {key!r}"
+            numbers = (int, float, torch.Tensor)
+            if isinstance(default, numbers) and not isinstance(value, numbers):
+                return f"param group {key!r} = {value!r}, not a number"
+    states = [(p, optimizer.state[p]) for g in optimizer.param_groups for p in g["params"]]
+    keys = [set(state) for _, state in states if state]
+    if any(k != keys[0] for k in keys):
+        return "parameter states with different entries"
+    for param, state in states:
+        for key, value in state.items():
+            if not isinstance(value, torch.Tensor):
+                continue
+            wrong_shape = value.dim() > 0 and value.shape != param.shape
+            if wrong_shape or (key == "step" and value.numel() != 1):
+                shapes = f"{tuple(value.shape)} for a parameter of {tuple(param.shape)}"
+                return f"optimizer state {key!r} of shape {shapes}"
+    return ""
+
+
+_MISSING = object()
 
 
 def latest(run_dir: Path) -> Path | None:

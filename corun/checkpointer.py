@@ -22,6 +22,7 @@ from corun.clock import Clock
 from corun.compute import Lane, blocking_io
 from corun.config import Config
 from corun.events import EventLog, Trace
+from corun.kept_rollouts import KeptRollouts
 from corun.teardown import RunControl
 from corun.trainer import Outcome
 
@@ -40,6 +41,8 @@ class Checkpointer:
         self.control = control
         self.lane = lane  # where snapshots are taken: between steps, never mid-update
         self.state = state  # the tensors to save, as live references
+        # Finished, untrained rollout batches: kept with each save (checkpoint.keep_rollouts).
+        self.rollouts = KeptRollouts(config, clock, events)
         self.last_saved = clock.step if resumed else -1
         self.error: BaseException | None = None
         # Under torchrun the state is replicated: rank 0's is the whole state, and only
@@ -60,8 +63,9 @@ class Checkpointer:
         if not self.writes:
             self.last_saved = self.clock.step
             return
+        kept = self.rollouts.saved()  # here, on the loop: the producer adds to the ledger
         with self.trace.span("snapshot", "trainer"):
-            tensors = await self.lane.run(_snapshot, self.state)
+            tensors = await self.lane.run(_snapshot, self.state, kept)
         clock = self.clock
         state = checkpoint.TrainerState(
             format=checkpoint.FORMAT_VERSION,
@@ -76,6 +80,9 @@ class Checkpointer:
         self.last_saved = clock.step
         path = checkpoint.step_dir(self.run_dir, state.step)
         self.events.emit("save", state.step, path=str(path))
+        if kept is not None:
+            indexes = [entry["index"] for entry in kept]
+            self.events.emit("rollouts_kept", state.step, count=len(kept), indexes=indexes)
         self._pending += 1
         self._done = anyio.Event()
         self._tasks.start_soon(self._write, tensors, state)
@@ -126,5 +133,8 @@ class Checkpointer:
             await self._done.wait()
 
 
-def _snapshot(state: Callable[[], Any]) -> Any:
-    return checkpoint.snapshot(state())
+def _snapshot(state: Callable[[], Any], kept: list[dict[str, Any]] | None) -> Any:
+    tensors = checkpoint.snapshot(state())
+    if kept is not None:
+        tensors["rollouts"] = checkpoint.snapshot(kept)
+    return tensors

@@ -6,7 +6,10 @@ latest checkpoint, or its initial weights — without training, and prints
 ``<run dir>/serve/``; it stops on a signal like a run does.
 
 Exit status: 0 done, 1 training error, 2 usage or config error (one line, no
-traceback), 130 after SIGINT, 143 after SIGTERM.
+traceback), 130 after SIGINT, 143 after SIGTERM. A training error's last line on
+stderr is ``corun: error: ...``: alone for the runtime's own (an engine's, a deadline's,
+a collective's, a checkpoint write's), after its traceback for a trainer's exception.
+A thread left stuck in a call (corun/deadlines.py) does not keep the process alive.
 
 Data parallel: with ``run.nproc`` = N > 1, ``corun train`` launches torchrun with N
 ranks (corun/launch.py); under torchrun (``torchrun --nproc-per-node N -m corun train
@@ -32,6 +35,7 @@ import signal
 import sys
 import tempfile
 import threading
+import time
 import traceback
 from pathlib import Path
 from typing import Any, NoReturn
@@ -39,9 +43,10 @@ from typing import Any, NoReturn
 import anyio
 import msgspec
 
-from corun import checkpoint, distributed, launch, procs
+from corun import checkpoint, compute, distributed, launch, procs
 from corun.config import Config, to_toml
 from corun.config_file import load_config
+from corun.deadlines import DeadlineError
 from corun.engine import EngineError
 from corun.errors import UsageError
 from corun.events import EVENTS_FILE, EventLog
@@ -57,6 +62,7 @@ _SIGNAL_EXIT = {"SIGINT": 130, "SIGTERM": 143}
 
 class _Parser(argparse.ArgumentParser):
     def error(self, message: str) -> NoReturn:  # one line, not argparse's usage block
+        message = "\\n".join(message.splitlines())  # an argument with a line break in it
         print(f"corun: error: {message} (see corun --help)", file=sys.stderr)
         raise SystemExit(EXIT_USAGE)
 
@@ -76,7 +82,7 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    signal.signal(signal.SIGTERM, _terminate_before_run)
+    _exit_on_signals()  # until the run's own handlers (or launch's) replace these
     logging.basicConfig(format="corun: %(message)s", level=logging.WARNING)
     args = _parser().parse_args(argv)
     try:
@@ -94,7 +100,7 @@ def main(argv: list[str] | None = None) -> int:
         if distributed.launched_size() > 1:
             return _rank_main(config, serve_only)
         trainer = resolve_trainer(config.trainer.kind)(config)
-        return anyio.run(_train, trainer, config, serve_only, backend=config.run.backend)
+        return _leave(anyio.run(_train, trainer, config, serve_only, backend=config.run.backend))
     except UsageError as exc:
         print(f"corun: error: {exc}", file=sys.stderr)
         return EXIT_USAGE
@@ -149,8 +155,24 @@ def _rank_config(config: Config, scratch: Path) -> Config:
     )
 
 
-def _terminate_before_run(signum: int, frame: object) -> None:
-    raise SystemExit(_SIGNAL_EXIT["SIGTERM"])
+def _exit_on_signals() -> None:
+    """Before a run has started (config, the trainer's imports and construction), the
+    first SIGINT/SIGTERM ends the process at once, quietly, with 130/143: raised as an
+    exception it lands inside some library's import, which may swallow it (a Ctrl-C
+    lost) or leave a module half-imported (another error later). A signal that is
+    ignored (a background job's SIGINT) stays ignored."""
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        if signal.getsignal(sig) is not signal.SIG_IGN:
+            signal.signal(sig, _exit_before_run)
+
+
+def _exit_before_run(signum: int, frame: object) -> None:
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except Exception:  # inside a write of the main thread's: reentrant call
+            pass
+    os._exit(_SIGNAL_EXIT[signal.Signals(signum).name])
 
 
 def _serve_config(config: Config) -> Config:
@@ -179,14 +201,37 @@ async def _train(trainer: Trainer[Any], config: Config, serve_only: bool = False
         except UsageError as exc:
             print(f"corun: error: {exc}", file=sys.stderr)
             code = EXIT_USAGE
-        except (EngineError, distributed.CollectiveError, checkpoint.WriteError) as exc:
+        except (
+            EngineError, distributed.CollectiveError, checkpoint.WriteError, DeadlineError
+        ) as exc:  # fmt: skip
             print(f"corun: error: {exc}", file=sys.stderr)
             code = EXIT_ERROR
-        except Exception:
+        except Exception as exc:  # the trainer's own: its traceback, then one line
             traceback.print_exc()
+            print(f"corun: error: {type(exc).__name__}: {_one_line(exc)}", file=sys.stderr)
             code = EXIT_ERROR
         finally:
             tg.cancel_scope.cancel()
+    return code
+
+
+def _one_line(exc: BaseException) -> str:
+    return " ".join(str(exc).split())[:500]
+
+
+def _leave(code: int) -> int:
+    """``code``, or ``os._exit(code)`` when a thread is stuck in a call that was given up
+    on (a deadline's, a teardown step's, an environment's): the interpreter would wait
+    for it at exit forever, or abort in a daemon thread inside torch."""
+    main = threading.main_thread()
+    others = [t for t in threading.enumerate() if t is not main and not t.daemon]
+    until = time.monotonic() + 2.0  # worker threads that are ending: give them a moment
+    for thread in others:
+        thread.join(max(0.0, until - time.monotonic()))
+    if compute.abandoned_threads() or any(t.is_alive() for t in others):
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
     return code
 
 

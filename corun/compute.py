@@ -12,14 +12,23 @@ fast, blocking code calls :func:`cancel_point` between micro-batches or decode
 steps; once the awaiting task is cancelled, that raises inside the thread. A call
 that completes anyway returns its result, and the cancellation is delivered at the
 task's next await — so an applied optimizer step is never lost from the books.
+
+The one exception is a deadline (corun/deadlines.py, and each teardown step): inside
+:func:`abandoning`, a cancelled call that has not returned ``grace_s`` later is
+*abandoned* — a call stuck in a blocking C call (a hung collective, a wedged driver)
+ignores cancel points. Its thread is left to it (recorded in :func:`abandoned_threads`,
+so ``corun`` ends the process with ``os._exit`` rather than wait for it), the lane's
+other calls move to a fresh thread, and the awaiting task's cancellation goes on.
 """
 
 from __future__ import annotations
 
+import contextvars
 import inspect
 import queue
 import threading
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any, Generic, Literal, TypeVar, cast
 
@@ -31,6 +40,29 @@ T = TypeVar("T")
 ComputeMode = Literal["thread", "inline"]
 
 _lane_local = threading.local()
+ABANDON_GRACE_S = 5.0  # longest wait, past a deadline, for a cancelled call to return
+# Inside `abandoning(grace_s)`: how long a cancelled lane call may take to return.
+_grace: contextvars.ContextVar[float | None] = contextvars.ContextVar("lane_grace", default=None)
+_abandoned: list[threading.Thread] = []  # threads left to a call that never returned
+
+
+@contextmanager
+def abandoning(grace_s: float) -> Iterator[None]:
+    """Lane calls awaited here (in this task) that are cancelled and do not return
+    within ``grace_s`` are abandoned: their awaiting task goes on with its cancellation.
+    Nested, the shorter grace holds (an outer deadline's cancellation gets its own)."""
+    outer = _grace.get()
+    token = _grace.set(grace_s if outer is None else min(outer, grace_s))
+    try:
+        yield
+    finally:
+        _grace.reset(token)
+
+
+def abandoned_threads() -> list[threading.Thread]:
+    """Lane threads still stuck in an abandoned call (the process should not wait
+    for them at exit)."""
+    return [thread for thread in _abandoned if thread.is_alive()]
 
 
 class LaneCancelled(BaseException):
@@ -112,6 +144,8 @@ class Lane:
         self.torch_threads = torch_threads
         self._calls: queue.SimpleQueue[_Call[Any] | None] = queue.SimpleQueue()
         self._thread: threading.Thread | None = None
+        self._running: _Call[Any] | None = None  # the call the lane's thread is in
+        self.abandoned = 0  # calls given up on (see `abandoning`)
 
     async def run(self, fn: Callable[..., T], *args: Any) -> T:
         if self.mode == "inline":
@@ -125,8 +159,15 @@ class Lane:
             await done.wait()
         except anyio.get_cancelled_exc_class():
             call.cancel_requested.set()
-            with anyio.CancelScope(shield=True):
+            grace = _grace.get()
+            with anyio.CancelScope(shield=True) as waiting:
+                if grace is not None:
+                    waiting.deadline = anyio.current_time() + grace
                 await done.wait()
+            if not done.is_set():  # past its grace: a running call is left to its thread,
+                if self._running is call:  # a queued one never starts (cancel requested)
+                    self._abandon()
+                raise
             if call.error is None:
                 return cast(T, call.result)  # completed: the cancellation comes at the next await
             if isinstance(call.error, LaneCancelled):
@@ -138,17 +179,43 @@ class Lane:
     def _start(self) -> None:
         if self._thread is None:
             self._thread = threading.Thread(
-                target=self._serve, name=f"corun-lane-{self.name}", daemon=True
-            )
+                target=self._serve, args=(self._calls,), name=f"corun-lane-{self.name}",
+                daemon=True,
+            )  # fmt: skip
             self._thread.start()
 
-    def _serve(self) -> None:
+    def _serve(self, calls: queue.SimpleQueue[_Call[Any] | None]) -> None:
         if self.torch_threads:
             import torch
 
             torch.set_num_threads(self.torch_threads)
-        while (call := self._calls.get()) is not None:
+        while (call := calls.get()) is not None:
+            if calls is self._calls:
+                self._running = call
             call.run()
+            if self._running is call:
+                self._running = None
+
+    def _abandon(self) -> None:
+        """Leave the thread to its running call (stuck); later calls get a fresh one."""
+        stuck, old = self._thread, self._calls
+        if stuck is None:
+            return
+        self.abandoned += 1
+        _abandoned.append(stuck)
+        self._calls, self._thread, self._running = queue.SimpleQueue(), None, None
+        moved = False
+        while True:  # calls queued behind the stuck one run on the fresh thread
+            try:
+                waiting = old.get_nowait()
+            except queue.Empty:
+                break
+            if waiting is not None:
+                self._calls.put(waiting)
+                moved = True
+        old.put(None)  # should the stuck call ever return, its thread ends
+        if moved:
+            self._start()
 
     def close(self, timeout: float = 10.0) -> None:
         """End the lane's thread after the calls already queued, and wait for it.
@@ -156,12 +223,15 @@ class Lane:
         Waiting matters at process exit: a thread still unwinding torch's per-thread
         state while the interpreter shuts down aborts the process ("terminate called
         without an active exception"). By the time a run closes its lanes every call
-        has returned, so the wait is short.
+        has returned, so the wait is short; a thread still in a call after ``timeout``
+        is left to it (in :func:`abandoned_threads`).
         """
         if self._thread is not None:
             self._calls.put(None)
             if self._thread is not threading.current_thread():
                 self._thread.join(timeout)
+                if self._thread.is_alive():  # stuck in a call: not waited on at exit
+                    _abandoned.append(self._thread)
             self._thread = None
 
 

@@ -20,6 +20,11 @@ from corun.errors import ConfigError
 PositiveInt = Annotated[int, msgspec.Meta(ge=1)]
 NonNegativeInt = Annotated[int, msgspec.Meta(ge=0)]
 PositiveFloat = Annotated[float, msgspec.Meta(gt=0)]
+# Every RNG takes it: torch's up to 64 bits, numpy's (data shuffling) non-negative only.
+Seed = Annotated[int, msgspec.Meta(ge=0, le=2**63 - 1)]
+# Threads or processes, one each: a larger number is a typo that would hang set-up
+# (and torch.set_num_threads takes a C int).
+Lanes = Annotated[int, msgspec.Meta(ge=1, le=1024)]
 
 
 class Section(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):
@@ -30,7 +35,7 @@ class RunConfig(Section, frozen=True, forbid_unknown_fields=True, kw_only=True):
     name: str = "run"
     # Where checkpoints, metrics, events and the trace go; default runs/<name>.
     dir: str = ""
-    seed: int = 0
+    seed: Seed = 0
     # Total optimizer steps; a resumed run continues up to this number.
     steps: NonNegativeInt = 100
     backend: Literal["asyncio", "trio"] = "asyncio"
@@ -40,10 +45,14 @@ class RunConfig(Section, frozen=True, forbid_unknown_fields=True, kw_only=True):
     hard_deadline_s: PositiveFloat = 60.0
     # Data-parallel processes on this machine: `corun train` launches torchrun with
     # this many ranks (corun/launch.py); 1 trains in this process.
-    nproc: PositiveInt = 1
+    nproc: Lanes = 1
     # A collective (gradient all-reduce) that takes longer fails the run: a dead or
     # hung rank ends it within this time instead of hanging it.
     collective_timeout_s: PositiveFloat = 300.0
+    # A weight sync (the trainer's sync_weights and the Ray publish) that takes longer
+    # fails the run with one line; a call stuck in a lane thread is abandoned
+    # (corun/deadlines.py).
+    sync_timeout_s: PositiveFloat = 600.0
 
 
 class LoopConfig(Section, frozen=True, forbid_unknown_fields=True, kw_only=True):
@@ -72,7 +81,7 @@ class LoopConfig(Section, frozen=True, forbid_unknown_fields=True, kw_only=True)
     version_schedule: Literal["free", "fixed"] = "free"
     # Rollout workers, each on its own compute lane, when concurrency > 1 (at
     # concurrency 1 rollouts share the train lane: generate and train never overlap).
-    workers: PositiveInt = 1
+    workers: Lanes = 1
     # Order the trainer takes batches in when concurrency > 1: "start" (the order
     # their rollouts started; deterministic) or "completion" (as each finishes; the
     # trainer never waits behind a slow rollout, and an overtaken batch that ends
@@ -82,7 +91,7 @@ class LoopConfig(Section, frozen=True, forbid_unknown_fields=True, kw_only=True)
     # every rollout worker's); 0 keeps torch's default. Lanes run side by side, so on
     # a small machine give each a share of the cores; on a machine shared with other
     # jobs, 1 avoids oversubscribing the cores (thread compute only).
-    lane_threads: NonNegativeInt = 0
+    lane_threads: Annotated[int, msgspec.Meta(ge=0, le=1024)] = 0
     # Steps between periodic evals / saves; 0 turns them off.
     eval_interval: NonNegativeInt = 0
     save_interval: NonNegativeInt = 0
@@ -170,6 +179,12 @@ class CheckpointConfig(Section, frozen=True, forbid_unknown_fields=True, kw_only
     resume: bool | str = True
     # Keep only the newest N checkpoints; 0 keeps all.
     keep: NonNegativeInt = 0
+    # Save finished rollout batches the trainer has not trained yet (async mode: the
+    # stream and reorder buffer; after a stop, the batch cut short and a rewound
+    # window's) with each checkpoint, and train them first after resume: no finished
+    # rollout is thrown away and generated again (corun/kept_rollouts.py). Costs
+    # checkpoint size and write time per kept batch; refused under torchrun.
+    keep_rollouts: bool = False
 
 
 class LogConfig(Section, frozen=True, forbid_unknown_fields=True, kw_only=True):
@@ -259,7 +274,7 @@ def apply_override(raw: dict[str, Any], override: str) -> None:
 def parse_value(text: str) -> Any:
     try:
         return tomllib.loads(f"v = {text}")["v"]
-    except tomllib.TOMLDecodeError:
+    except (tomllib.TOMLDecodeError, RecursionError):  # deep nesting: not a TOML value either
         return text
 
 

@@ -33,6 +33,8 @@ def load_config(path: str | Path, overrides: list[str] | tuple[str, ...] = ()) -
         raise ConfigError(f"{path}: malformed TOML: {exc}") from None
     except UnicodeDecodeError:
         raise ConfigError(f"{path}: not a UTF-8 text file") from None
+    except RecursionError:  # tomllib parses nested arrays and inline tables recursively
+        raise ConfigError(f"{path}: malformed TOML: arrays or tables nested too deeply") from None
     for override in overrides:
         apply_override(raw, override)
     return config_from_dict(raw, source=str(path), overrides=overrides)

@@ -7,6 +7,7 @@ makes "resume == uninterrupted" hold without replaying skipped batches.
 
 from __future__ import annotations
 
+import codecs
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, Generic, Protocol, TypeVar
@@ -73,10 +74,14 @@ def read_jsonl(path: str | Path, record_type: type[T]) -> list[T]:
     A bad line raises :class:`DataError` naming ``file:line`` and what was wrong.
     """
     path = Path(path)
+    if path.exists() and not path.is_file():  # a FIFO would block, /dev/zero never end
+        raise DataError(f"{path}: not a regular file")
     try:
         lines = path.read_bytes().splitlines()
     except OSError as exc:
         raise DataError(f"{path}: cannot read data file ({exc.strerror})") from None
+    if lines and lines[0].startswith(codecs.BOM_UTF8):  # saved by an editor that adds one
+        lines[0] = lines[0].removeprefix(codecs.BOM_UTF8)
     decoder = msgspec.json.Decoder(record_type)
     records = []
     for number, line in enumerate(lines, start=1):

@@ -79,3 +79,39 @@ class Engine(Protocol):
     async def shutdown(self) -> None:
         """Release everything (bounded; a child process is killed as a group)."""
         ...
+
+
+class EngineWrapper:
+    """An :class:`Engine` that passes every call to ``inner``: a wrapper (instruments,
+    injected faults) overrides only the calls it adds to."""
+
+    def __init__(self, inner: Engine) -> None:
+        self.inner = inner
+
+    @property
+    def version(self) -> int:
+        return self.inner.version
+
+    @property
+    def interrupts(self) -> bool:
+        return self.inner.interrupts
+
+    async def generate(
+        self, prompts: Sequence[Sequence[int]], sampling: Sampling, seed: int
+    ) -> list[Generation]:
+        return await self.inner.generate(prompts, sampling, seed)
+
+    async def update_weights(self, state: Mapping[str, Tensor], version: int) -> None:
+        await self.inner.update_weights(state, version)
+
+    async def pause(self) -> None:
+        await self.inner.pause()
+
+    async def resume(self) -> None:
+        await self.inner.resume()
+
+    async def health(self) -> bool:
+        return await self.inner.health()
+
+    async def shutdown(self) -> None:
+        await self.inner.shutdown()

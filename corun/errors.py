@@ -12,7 +12,14 @@ import anyio
 
 
 class UsageError(Exception):
-    """A mistake in what the user gave corun; the message is one line naming the place."""
+    """A mistake in what the user gave corun; the message is one line naming the place.
+
+    Line breaks that reach the message from the input (a TOML key or a JSON field name
+    with a newline in it) are escaped, so the message stays one line.
+    """
+
+    def __init__(self, message: str = "") -> None:
+        super().__init__("\\n".join(str(message).splitlines()))
 
 
 class ConfigError(UsageError):

@@ -26,7 +26,7 @@ from typing import Any
 
 import anyio
 
-from corun import checkpoint, distributed, guest, prerequisites
+from corun import checkpoint, deadlines, distributed, guest, prerequisites, rundir
 from corun.cadence import Cadence
 from corun.checkpointer import Checkpointer
 from corun.clock import Clock, IdleTimes
@@ -62,12 +62,12 @@ async def run(
         session.control = control
     outcome: Outcome | None = None
     try:
-        with guest.running():  # the host's loop gets the GIL within ~1 ms (corun/guest.py)
-            checkpoint.check_writable(config.run_dir)
+        checkpoint.check_writable(config.run_dir)
+        with guest.running(), rundir.put_back_on_refusal(config.run_dir) as guard:
             restored = await blocking_io(config.loop.compute, checkpoint.restore_point, config)
             config.run_dir.mkdir(parents=True, exist_ok=True)
             checkpoint.remove_partial_writes(config.run_dir)
-            outcome = await _Run(trainer, config, session, restored).run()
+            outcome = await guard.watch(_Run(trainer, config, session, restored)).run()
         return outcome
     finally:
         session.over(outcome)
@@ -183,7 +183,7 @@ class _Run:
         with self.trace.span("setup", "trainer"), guest.setting_up():
             await call_hook(self.train_lane, trainer.setup, ctx)
         self.events.emit("setup", self.clock.step)
-        self.kept = ctx.kept
+        self.kept, self.optimizers = ctx.kept, ctx.optimizers
         self.updater = self._updater(ctx)
         self.dataset = distributed.sharded(trainer.dataset())  # the rank's slice of each batch
         if self.restored is not None:
@@ -241,13 +241,14 @@ class _Run:
             await call_hook(self.train_lane, self.trainer.load_state_dict, tensors["trainer"])
             for name, component in self.kept.items():
                 component.load_state_dict(tensors.get("kept", {})[name])
-        except (KeyError, ValueError, RuntimeError, TypeError) as exc:
-            raise CheckpointError(
-                f"checkpoint step-{state.step} does not fit this trainer: {exc}"
-            ) from None
+            checkpoint.check_optimizers(spec.optimizer for spec in self.optimizers)
+        except Exception as exc:  # torch raises many types for tensors that do not fit
+            where = checkpoint.resume_point(self.config)
+            raise CheckpointError(f"{where}: does not fit this trainer: {exc}") from None
         if state.config_digest != self.config.digest():
             self.events.emit("config_changed", state.step, was=state.config_digest)
         self.events.emit("restore", state.step, version=state.version, cursor=state.data_cursor)
+        self.checkpointer.rollouts.restore(tensors.get("rollouts"), state.step)
         if self.clock.step < self.config.run.steps:
             self.reporter.progress.note(
                 f"corun: resuming {self.run_dir} from step {self.clock.step} of "
@@ -266,13 +267,12 @@ class _Run:
                 "raise run.steps to continue, or set run.dir to start a new run"
             )
             return
-        loop = self.config.loop
-        send, receive = anyio.create_memory_object_stream[Batch](loop.concurrency)
+        send, receive = anyio.create_memory_object_stream[Batch](self.config.loop.concurrency)
         async with anyio.create_task_group() as producers:
             producer = Producer(
                 self.trainer, self.dataset, self.rollout_lanes, self.clock, self.idle,
                 self.trace, distributed.rollout_config(self.config),
-                stop=self.config.run.steps, remote=self.remote,
+                stop=self.config.run.steps, remote=self.remote, kept=self.checkpointer.rollouts,
             )  # fmt: skip
             producers.start_soon(producer.run, send)
             async with receive:
@@ -337,7 +337,7 @@ class _Run:
             metrics["async/inflight"] = float(self.clock.inflight)
             metrics["async/dropped"] = float(self.clock.dropped)
         self._log(self.clock.step, metrics)
-        self.events.emit("step", self.clock.step, version=self.clock.version)
+        self.events.emit("step", self.clock.step, version=self.clock.version, index=batch.index)
 
     async def _sync(self, forced: bool = False) -> None:
         version = self.clock.version
@@ -345,7 +345,7 @@ class _Run:
             self.clock.publish(version)
             return
         started = time.monotonic()
-        with self.trace.span("sync", "trainer", version=version):
+        with deadlines.sync(self.trace, self.config, version):  # run.sync_timeout_s
             await call_hook(self.train_lane, self.trainer.sync_weights, version)
             if self.remote is not None:
                 await self.remote.publish(version)

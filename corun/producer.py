@@ -22,6 +22,7 @@ from corun.compute import Lane
 from corun.config import Config
 from corun.data import Dataset
 from corun.events import Trace
+from corun.kept_rollouts import KeptRollouts
 from corun.ray_workers import RayWorkers
 from corun.rng import rollout_generator
 from corun.trainer import Batch, RolloutContext, Trainer
@@ -38,12 +39,15 @@ class Producer:
     index, attempt), where ``attempt`` counts the index's earlier starts (a dropped
     batch is redone with fresh draws); under the fixed version schedule it also names
     the version to generate with.
+
+    Batches kept by the checkpoint a run resumes from (``kept``) are claimed like
+    rollouts, through admission, and handed on without one (corun/kept_rollouts.py).
     """
 
     def __init__(
         self, trainer: Trainer[Any], dataset: Dataset, lanes: list[Lane], clock: Clock,
         idle: IdleTimes, trace: Trace, config: Config, stop: int,
-        remote: RayWorkers | None = None,
+        kept: KeptRollouts, remote: RayWorkers | None = None,
     ) -> None:  # fmt: skip
         self.trainer = trainer
         self.dataset = dataset
@@ -63,6 +67,11 @@ class Producer:
         self._unsent: list[int] = []  # heap: claimed indexes not yet handed on
         self._finished: dict[int, Batch] = {}  # done, waiting for their turn (start order)
         self._attempts: dict[int, int] = {}  # starts so far, of indexes started more than once
+        self.kept = kept
+        self._attempts.update(self.kept.attempts())
+        # Kept batches that go first (completion order), in the order they had finished.
+        self._first = self.kept.first()
+        self._skip = set(self._first)  # claimed already: never a new index
         self._send_lock = anyio.Lock()
         self._work_added = anyio.Event()
 
@@ -76,6 +85,7 @@ class Producer:
     def requeue(self, index: int) -> None:
         """Generate ``index`` again: its batch was dropped."""
         self._attempts[index] = self._attempts.get(index, 0) + 1
+        self.kept.dropped(index)
         heapq.heappush(self._requeued, index)
         self._work_added.set()
         self._work_added = anyio.Event()
@@ -85,32 +95,41 @@ class Producer:
     ) -> None:
         while True:
             index, slot = await self._claim()
-            started = time.monotonic()
-            self.idle.rollouts_started += 1
-            scheduled = self.clock.scheduled_version(slot) if self.fixed_schedule else None
             attempt = self._attempts.get(index, 0)
-            ctx = RolloutContext(
-                index, rollout_generator(self.seed, index, attempt), attempt, scheduled,
-                lane=lane, trace=self.trace, track=track,
-            )  # fmt: skip
-            version = self.clock.published if scheduled is None else scheduled
-            with self.trace.span("rollout", track, index=index):
-                if self.remote is not None:
-                    inputs = self.dataset.batch(index)
-                    result = await self.remote.rollout(worker, inputs, ctx, version)
-                elif self.rollout_is_async:
-                    result = await self._rollout_at(ctx)
-                else:
-                    result = await lane.run(self._rollout_at, ctx)
-            batch = result if isinstance(result, Batch) else Batch(result)
-            if batch.version < 0:  # the trainer did not say which weights it used
-                batch.version = version
-            batch.index = index
-            batch.metrics = {**batch.metrics, "perf/rollout_time_s": time.monotonic() - started}
+            batch = self.kept.take(index)  # kept by the checkpoint resumed from: no rollout
+            if batch is None:
+                batch = await self._rollout(worker, lane, track, index, slot, attempt)
+            self.kept.finished(batch, attempt)
             self._finished[index] = batch
             async with self._send_lock:
                 for ready in self._ready():
                     await send.send(ready)
+
+    async def _rollout(
+        self, worker: int, lane: Lane, track: str, index: int, slot: int, attempt: int
+    ) -> Batch:
+        started = time.monotonic()
+        self.idle.rollouts_started += 1
+        scheduled = self.clock.scheduled_version(slot) if self.fixed_schedule else None
+        ctx = RolloutContext(
+            index, rollout_generator(self.seed, index, attempt), attempt, scheduled,
+            lane=lane, trace=self.trace, track=track,
+        )  # fmt: skip
+        version = self.clock.published if scheduled is None else scheduled
+        with self.trace.span("rollout", track, index=index):
+            if self.remote is not None:
+                inputs = self.dataset.batch(index)
+                result = await self.remote.rollout(worker, inputs, ctx, version)
+            elif self.rollout_is_async:
+                result = await self._rollout_at(ctx)
+            else:
+                result = await lane.run(self._rollout_at, ctx)
+        batch = result if isinstance(result, Batch) else Batch(result)
+        if batch.version < 0:  # the trainer did not say which weights it used
+            batch.version = version
+        batch.index = index
+        batch.metrics = {**batch.metrics, "perf/rollout_time_s": time.monotonic() - started}
+        return batch
 
     async def _claim(self) -> tuple[int, int]:
         """The next data index to generate and its admission slot, once the clock
@@ -122,11 +141,13 @@ class Producer:
         """
         while True:
             waiting = time.monotonic()
-            while not self._requeued and self._upcoming() >= self.stop:
+            while not (self._first or self._requeued) and self._upcoming() >= self.stop:
                 await self._work_added.wait()
             slot = await self.clock.admit()
             self.idle.generator_s += time.monotonic() - waiting
-            if self._requeued:
+            if self._first:
+                index = self._first.pop(0)
+            elif self._requeued:
                 index = heapq.heappop(self._requeued)
             elif (index := self._upcoming()) < self.stop:
                 self._next_new = index + 1
@@ -139,7 +160,7 @@ class Producer:
     def _upcoming(self) -> int:
         """The next never-claimed index, past those a resumed run trained already."""
         index = self._next_new
-        while index in self.clock.trained_ahead:
+        while index in self.clock.trained_ahead or index in self._skip:
             index += 1
         return index
 

@@ -19,6 +19,9 @@ def resolve_trainer(kind: str, where: str = "trainer.kind") -> type[Trainer[Any]
     """A registered name (entry point group ``corun.trainers``) or ``"module:Class"``."""
     if ":" in kind:
         module_name, _, attr = kind.partition(":")
+        # importlib takes relative ("..x") and empty names with ValueError/TypeError.
+        if not all(part.isidentifier() for part in module_name.split(".")):
+            raise ConfigError(f"{where}: {kind!r}: {module_name!r} is not a module path")
         try:
             target: Any = importlib.import_module(module_name)
             for part in attr.split("."):

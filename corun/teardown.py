@@ -10,9 +10,10 @@ interrupt alike:
     → weight sync → engine → logging → on_train_end → end
 
 Each step runs shielded from the cancellation that caused the teardown and under its
-own deadline. A step that fails or times out is logged and the next one still runs;
-the first error is the one that propagates. A step marked optional (the save) is
-skipped, or cut short, once the run is stopped a second time.
+own deadline (a lane call it awaits that is stuck past it is abandoned). A step that
+fails or times out is logged and the next one still runs; the first error is the one
+that propagates. A step marked optional (the save) is skipped, or cut short, once the
+run is stopped a second time.
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ from typing import Any
 import anyio
 import anyio.to_thread
 
+from corun.compute import ABANDON_GRACE_S, abandoning
 from corun.events import EventLog
 
 log = logging.getLogger("corun")
@@ -105,8 +107,9 @@ class Teardown:
                 scope.deadline = anyio.current_time() + self.timeout_s
                 if step.optional:
                     self.control._optional_step = scope
-                try:
-                    await _call(step.fn, self.inline)
+                try:  # a lane call stuck past the deadline is abandoned (corun/compute.py)
+                    with abandoning(min(self.timeout_s, ABANDON_GRACE_S)):
+                        await _call(step.fn, self.inline)
                 except Exception as exc:
                     status, error = "error", exc
                 finally:

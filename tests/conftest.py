@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -45,3 +46,13 @@ def pytest_configure(config: pytest.Config) -> None:
     config.addinivalue_line(
         "markers", "slow: several seconds (subprocesses, deadlines); runs in CI, never skipped"
     )
+
+
+def pytest_terminal_summary(terminalreporter: Any) -> None:
+    """The fuzz tests' example counts per input kind (tests/fuzz_support.py)."""
+    fuzz = sys.modules.get("tests.fuzz_support")
+    counts = getattr(fuzz, "COUNTS", None)
+    if counts:
+        terminalreporter.write_sep("-", f"fuzz examples: {sum(counts.values())}")
+        for kind, n in sorted(counts.items()):
+            terminalreporter.write_line(f"{kind:<28} {n:>6}")

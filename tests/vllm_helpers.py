@@ -24,7 +24,7 @@ import pytest
 from torch import Tensor
 
 from corun import SetupContext
-from corun.engine import Engine, Generation, Sampling
+from corun.engine import Engine, EngineWrapper, Generation, Sampling
 from trainers.hf.rl import HFGRPOConfig, HFGRPOTrainer
 
 Held = Literal["", "generate", "sync"]
@@ -34,19 +34,12 @@ class HeldGRPOConfig(HFGRPOConfig, frozen=True, forbid_unknown_fields=True, kw_o
     hold_in: Held = ""  # keep the engine busy in this phase until cancelled
 
 
-class HeldEngine:
+class HeldEngine(EngineWrapper):
     """An :class:`Engine` that marks (and optionally holds) its phases."""
 
     def __init__(self, inner: Engine, run_dir: Path, hold_in: Held) -> None:
-        self.inner, self.run_dir, self.hold_in = inner, run_dir, hold_in
-
-    @property
-    def version(self) -> int:
-        return self.inner.version
-
-    @property
-    def interrupts(self) -> bool:
-        return self.inner.interrupts
+        super().__init__(inner)
+        self.run_dir, self.hold_in = run_dir, hold_in
 
     async def _phase(self, phase: str) -> None:
         await anyio.Path(self.run_dir / f"phase-{phase}").touch()
@@ -66,18 +59,6 @@ class HeldEngine:
         while self.hold_in == "sync":  # reloading until cancelled
             await self.inner.update_weights(state, version)
         await self.inner.update_weights(state, version)
-
-    async def pause(self) -> None:
-        await self.inner.pause()
-
-    async def resume(self) -> None:
-        await self.inner.resume()
-
-    async def health(self) -> bool:
-        return await self.inner.health()
-
-    async def shutdown(self) -> None:
-        await self.inner.shutdown()
 
 
 class HeldGRPOTrainer(HFGRPOTrainer):

@@ -77,6 +77,8 @@ class ChatMessage(msgspec.Struct, kw_only=True):
 Temperature = Annotated[float, msgspec.Meta(ge=0, le=2)]
 TopP = Annotated[float, msgspec.Meta(gt=0, le=1)]
 MaxTokens = Annotated[int, msgspec.Meta(ge=1)]
+# What torch.Generator.manual_seed takes (a larger int would fail the whole batch).
+Seed = Annotated[int, msgspec.Meta(ge=-(2**63), le=2**63 - 1)]
 
 
 class ChatRequest(msgspec.Struct, kw_only=True):
@@ -89,7 +91,7 @@ class ChatRequest(msgspec.Struct, kw_only=True):
     top_p: TopP = 1.0
     stream: bool = False
     logprobs: bool = False
-    seed: int | None = None
+    seed: Seed | None = None
     n: Annotated[int, msgspec.Meta(ge=1, le=1)] = 1
     episode_id: Annotated[str, msgspec.Meta(min_length=1, max_length=200)] | None = None
     group: Annotated[str, msgspec.Meta(max_length=200)] | None = None
@@ -103,7 +105,7 @@ class CompletionRequest(msgspec.Struct, kw_only=True):
     top_p: TopP = 1.0
     stream: bool = False
     logprobs: Annotated[int, msgspec.Meta(ge=0, le=5)] | None = None
-    seed: int | None = None
+    seed: Seed | None = None
     n: Annotated[int, msgspec.Meta(ge=1, le=1)] = 1
 
 

@@ -11,6 +11,7 @@ unknown model, route or episode (404), a prompt the model's length cannot take (
 
 from __future__ import annotations
 
+import re
 import secrets
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -169,8 +170,12 @@ async def _decode(request: Request, kind: type[S]) -> S:
 
 def _path(message: str) -> str | None:
     """The field a msgspec validation message names (``- at `$.messages[0].role```)."""
-    _, _, where = message.partition(" - at `")
-    return where.rstrip("`").removeprefix("$.") or None
+    text, _, where = message.partition(" - at `")
+    where = where.rstrip("`").removeprefix("$.")
+    missing = re.fullmatch(r"Object missing required field `(.+)`", text)
+    if missing:  # msgspec names the object the field is missing from
+        where = missing[1] if where in ("", "$") else f"{where}.{missing[1]}"
+    return where or None
 
 
 def _check_model(model: str, policy: ServedPolicy) -> None:

@@ -74,11 +74,12 @@ class Batcher:
         for request in batch:
             groups[(len(request.prompt), request.sampling, request.seed)].append(request)
         for (_, sampling, seed), requests in groups.items():
-            generator = torch.Generator().manual_seed(
-                seed if seed is not None else int.from_bytes(os.urandom(7), "big")
-            )
-            call = _call(self.policy.generate, [r.prompt for r in requests], sampling, generator)
-            try:
+            try:  # nothing a request holds may end the batcher: its error is the request's
+                generator = torch.Generator().manual_seed(
+                    seed if seed is not None else int.from_bytes(os.urandom(7), "big")
+                )
+                prompts = [r.prompt for r in requests]
+                call = _call(self.policy.generate, prompts, sampling, generator)
                 with anyio.CancelScope(shield=True):  # a started generation is finished
                     results = await self.lane.run(call)
             except Exception as exc:

@@ -7,21 +7,31 @@
 The vLLM engines need the ``vllm`` extra (``pip install -e '.[vllm]'``); they are
 imported only when chosen. A start-up that fails or is interrupted ends what it began
 (the engines' ``start``); a started engine's shutdown is registered for teardown.
+
+Every engine runs behind :class:`corun.deadlines.BoundedEngine` with the deadlines of
+``[trainer.engine_options]``: ``start_timeout_s`` (build, warm-up and the first weight
+load), ``request_timeout_s`` (each generation and weight update) and
+``shutdown_timeout_s``. One overrun fails the run with one line and leaves the engine
+dead (``health()`` false): nothing waits on it again.
 """
 
 from __future__ import annotations
 
+from collections.abc import Awaitable, Callable
 from typing import Any, Literal
 
 import msgspec
 
 from corun import ConfigError, SetupContext
 from corun.compute import Lane
+from corun.deadlines import BoundedEngine, deadline
 from corun.engine import Engine
 from trainers.hf.policy import HFPolicy
 from trainers.hf.vllm_engine import EngineOptions, VLLMConfig
 
 EngineKind = Literal["local", "vllm", "vllm-server"]
+WHERE = "trainer.engine_options"
+DEADLINES = ("start_timeout_s", "request_timeout_s", "shutdown_timeout_s")  # every engine's
 
 
 def check_engine(kind: EngineKind, options: EngineOptions, interrupt: bool) -> None:
@@ -29,7 +39,7 @@ def check_engine(kind: EngineKind, options: EngineOptions, interrupt: bool) -> N
     if kind == "local":
         default = EngineOptions()
         for name in options.__struct_fields__:
-            if getattr(options, name) != getattr(default, name):
+            if name not in DEADLINES and getattr(options, name) != getattr(default, name):
                 raise ConfigError(
                     f'`$.trainer.engine_options.{name}`: the "local" engine has no such option '
                     '(it applies to "vllm" and "vllm-server")'
@@ -44,9 +54,32 @@ def check_engine(kind: EngineKind, options: EngineOptions, interrupt: bool) -> N
 async def start_engine(
     kind: EngineKind, options: EngineOptions, policy: HFPolicy, pad_id: int,
     ctx: SetupContext, *, interrupt: bool,
+    wrap: Callable[[Engine], Awaitable[Engine]] | None = None,
 ) -> Engine:  # fmt: skip
-    """Start the engine on the policy's current weights (version 0)."""
+    """Start the engine on the policy's current weights (version 0), within
+    ``options.start_timeout_s``; ``wrap`` (awaited within it too) may wrap the started
+    engine. Returns it bounded by the other deadlines of ``options``."""
     check_engine(kind, options, interrupt)
+    bounded = BoundedEngine(
+        f"the {kind!r} engine", WHERE, options.request_timeout_s, options.shutdown_timeout_s
+    )
+    with deadline(f"the {kind!r} engine's start", options.start_timeout_s,
+                  f"{WHERE}.start_timeout_s"):  # fmt: skip
+        # A start that fails or is cut short ends what it began (the engines' start);
+        # once started, the engine is torn down in order whatever follows.
+        bounded.inner = await _start(kind, options, policy, pad_id, ctx, interrupt)
+        ctx.on_teardown("engine", bounded.shutdown)
+        if kind != "local":  # vLLM loaded the directory's weights; the policy may differ
+            await bounded.inner.update_weights(policy.weights(), 0)
+        if wrap is not None:
+            bounded.inner = await wrap(bounded.inner)
+    return bounded
+
+
+async def _start(
+    kind: EngineKind, options: EngineOptions, policy: HFPolicy, pad_id: int,
+    ctx: SetupContext, interrupt: bool,
+) -> Engine:  # fmt: skip
     loop = ctx.config.loop
     if kind == "local":
         from trainers.hf.engine import TransformersEngine
@@ -56,23 +89,15 @@ async def start_engine(
         shared = loop.concurrency == 1 and ctx.lane is not None
         lane = ctx.lane if shared else Lane("engine", loop.compute, loop.lane_threads)
         assert lane is not None
-        engine = TransformersEngine(policy, pad_id, lane, owns_lane=not shared, interrupt=interrupt)
-        ctx.on_teardown("engine", engine.shutdown)
-        return engine
+        return TransformersEngine(policy, pad_id, lane, owns_lane=not shared, interrupt=interrupt)
     settings = VLLMConfig(model=str(policy.source), **_fields(options))
-    started: Engine
     if kind == "vllm":
         from trainers.hf.vllm_engine import VLLMEngine
 
-        started = await VLLMEngine.start(settings)
-    else:
-        from trainers.hf.vllm_server import VLLMServerEngine
+        return await VLLMEngine.start(settings)
+    from trainers.hf.vllm_server import VLLMServerEngine
 
-        started = await VLLMServerEngine.start(settings)
-    ctx.on_teardown("engine", started.shutdown)
-    # vLLM loaded the directory's weights; the policy may differ (a warm start).
-    await started.update_weights(policy.weights(), 0)
-    return started
+    return await VLLMServerEngine.start(settings)
 
 
 def _fields(options: EngineOptions) -> dict[str, Any]:

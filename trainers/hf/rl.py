@@ -106,11 +106,17 @@ class HFRollouts(PolicyGradientTrainer[Any]):
         await _on(ctx, super().setup, ctx)
         self.engine = await start_engine(
             cfg.engine, cfg.engine_options, self.policy, self.chat.pad_id, ctx,
-            interrupt=cfg.inflight_at_sync == "interrupt",
+            interrupt=cfg.inflight_at_sync == "interrupt", wrap=self.wrap_engine,
         )  # fmt: skip
 
     def setup_engine(self, ctx: SetupContext) -> None:
         """Started by :meth:`setup` once the policy exists (engines start async)."""
+
+    async def wrap_engine(self, engine: Engine) -> Engine:
+        """The started engine as rollouts and syncs see it; a subclass may wrap it (to
+        instrument it; tests/faults.py injects faults). Within the start's deadline, and
+        the wrapper's calls within the engine's (trainer.engine_options)."""
+        return engine
 
     def initial_policy(self) -> HFPolicy:  # type: ignore[override]
         cfg = self.config

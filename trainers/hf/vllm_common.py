@@ -18,8 +18,8 @@ from corun.engine import Sampling
 
 
 class EngineOptions(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):
-    """``[trainer.engine_options]``: settings of both vLLM engines (the "local" engine
-    takes none)."""
+    """``[trainer.engine_options]``: settings of both vLLM engines; the deadlines
+    (``*_timeout_s``) bound every engine, the "local" one too (trainers/hf/engines.py)."""
 
     # Prompt + completion tokens; vLLM sizes its buffers by it (default: the model's).
     max_model_len: Annotated[int, msgspec.Meta(ge=1)] | None = None
@@ -30,9 +30,12 @@ class EngineOptions(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_
     # More vllm.LLM keyword arguments (in process) or api_server flags (server: the key
     # with "-" for "_"), e.g. {enable_prefix_caching = false}; a wrong one is exit 2.
     options: dict[str, Any] = msgspec.field(default_factory=dict)
-    # Server only: start-up deadline, and the deadline of every HTTP call.
+    # Deadlines (every engine): the start (build, warm-up, first weight load), each call
+    # (a generation, a weight update; the server's every HTTP call), and the shutdown.
+    # Past one the run fails with one line and the engine is given up on.
     start_timeout_s: Annotated[float, msgspec.Meta(gt=0)] = 300.0
     request_timeout_s: Annotated[float, msgspec.Meta(gt=0)] = 600.0
+    shutdown_timeout_s: Annotated[float, msgspec.Meta(gt=0)] = 20.0
 
 
 class VLLMConfig(EngineOptions, frozen=True, forbid_unknown_fields=True, kw_only=True):

@@ -1,0 +1,92 @@
+"""A refused start leaves its run directory as it was.
+
+The template opens its records (events, metrics, trace) before the trainer's set-up
+reads its data and before a checkpoint's tensors are loaded into it, so a usage error
+found there (a bad data file, tensors that do not fit) comes after the first writes.
+:func:`put_back_on_refusal` notes the directory's files first and, on a usage error
+raised before this run trained a step, removes what was added and cuts what grew back
+to its old size and bytes (appended records; the trace rewrites only its tail).
+"""
+
+from __future__ import annotations
+
+import shutil
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Protocol, TypeVar
+
+from corun.clock import Clock
+from corun.errors import UsageError
+
+
+class _Clocked(Protocol):
+    clock: Clock
+
+
+RunT = TypeVar("RunT", bound=_Clocked)
+# A file's last bytes, kept to undo a rewrite of its tail (the trace's closing bracket).
+_TAIL_BYTES = 64 * 1024
+
+
+@dataclass
+class _File:
+    size: int
+    tail: bytes
+
+
+@dataclass
+class Guard:
+    run_dir: Path
+    existed: bool
+    dirs: set[Path] = field(default_factory=set)
+    files: dict[Path, _File] = field(default_factory=dict)
+    clock: Clock | None = None
+    first_step: int = 0
+
+    def watch(self, run: RunT) -> RunT:
+        """The run (its clock): once it has trained a step, its records stay."""
+        self.clock, self.first_step = run.clock, run.clock.step
+        return run
+
+    @property
+    def trained(self) -> bool:
+        return self.clock is not None and self.clock.step != self.first_step
+
+    def put_back(self) -> None:
+        if not self.existed:
+            shutil.rmtree(self.run_dir, ignore_errors=True)
+            return
+        for path in sorted(self.run_dir.rglob("*"), reverse=True):  # children first
+            if path.is_dir() and not path.is_symlink():
+                if path not in self.dirs:
+                    shutil.rmtree(path, ignore_errors=True)
+            elif path not in self.files:
+                path.unlink(missing_ok=True)
+        for path, before in self.files.items():
+            if path.is_file() and path.stat().st_size != before.size:
+                with open(path, "r+b") as f:
+                    f.truncate(before.size)
+                    f.seek(before.size - len(before.tail))
+                    f.write(before.tail)
+
+
+@contextmanager
+def put_back_on_refusal(run_dir: Path) -> Iterator[Guard]:
+    guard = Guard(run_dir, existed=run_dir.is_dir())
+    if guard.existed:
+        for path in run_dir.rglob("*"):
+            if path.is_dir() and not path.is_symlink():
+                guard.dirs.add(path)
+            elif path.is_file():
+                size = path.stat().st_size
+                with open(path, "rb") as f:
+                    f.seek(max(0, size - _TAIL_BYTES))
+                    guard.files[path] = _File(size, f.read())
+    try:
+        yield guard
+    except UsageError:
+        if not guard.trained:
+            guard.put_back()
+        raise
