@@ -65,30 +65,40 @@ def raw_tokens_per_s(policy: CalculatorPolicy, rows: int, repeats: int = 5) -> f
     return tokens / (time.perf_counter() - started)
 
 
-async def main(quick: bool, wait_ms: float) -> None:
+async def measure(
+    total: int, wait_ms: float, agent_counts: tuple[int, ...] = (1, 8, 32)
+) -> tuple[list[tuple[int, float, int]], list[tuple[int, float]]]:
+    """(agents, tokens/s, generation calls) per concurrency, ``total`` requests each, and
+    (prompts, tokens/s) of one generate call without HTTP."""
     torch.manual_seed(0)
     engine = LocalEngine(build_agent(Shape()))
     policy = CalculatorPolicy("bench", calculator.MAX_LEN, lambda: engine)
     endpoint = Endpoint(
         policy, ServeConfig(enabled=True, batch_wait_ms=wait_ms), Lane("serve", torch_threads=2)
     )
-    total = 64 if quick else 256  # requests per measurement, whatever the concurrency
+    rows = []
     async with anyio.create_task_group() as tasks:
         await tasks.start(endpoint.run)
         await tokens_per_s(endpoint.url, 8, 4)  # warm up
-        print(f"endpoint tokens/s ({os.cpu_count()} CPUs, {total} requests each, batching "
-              f"window {wait_ms:g} ms)")  # fmt: skip
-        print(f"{'agents':>7} {'tokens/s':>9} {'vs one at a time':>17} {'batches':>8}")
-        base = 0.0
-        for agents in (1, 8, 32):
+        for agents in agent_counts:
             before = endpoint.batcher.batches
-            rate = await tokens_per_s(endpoint.url, agents, total // agents)
-            base = base or rate
-            print(f"{agents:7d} {rate:9.0f} {rate / base:16.1f}x "
-                  f"{endpoint.batcher.batches - before:8d}", flush=True)  # fmt: skip
+            rate = await tokens_per_s(endpoint.url, agents, max(1, total // agents))
+            rows.append((agents, rate, endpoint.batcher.batches - before))
         await endpoint.stop()
+    raw = [(n, raw_tokens_per_s(policy, n)) for n in agent_counts]
+    return rows, raw
+
+
+async def main(quick: bool, wait_ms: float) -> None:
+    total = 64 if quick else 256  # requests per measurement, whatever the concurrency
+    rows, raw = await measure(total, wait_ms)
+    print(f"endpoint tokens/s ({os.cpu_count()} CPUs, {total} requests each, batching "
+          f"window {wait_ms:g} ms)")  # fmt: skip
+    print(f"{'agents':>7} {'tokens/s':>9} {'vs one at a time':>17} {'batches':>8}")
+    for agents, rate, batches in rows:
+        print(f"{agents:7d} {rate:9.0f} {rate / rows[0][1]:16.1f}x {batches:8d}")
     print("without HTTP, one generate call:", ", ".join(
-        f"{rows} prompts {raw_tokens_per_s(policy, rows):.0f} tokens/s" for rows in (1, 8, 32)
+        f"{n} prompts {rate:.0f} tokens/s" for n, rate in raw
     ))  # fmt: skip
 
 

@@ -5,31 +5,70 @@ The public API: a trainer subclasses :class:`Trainer` (its rollout and its loss)
 config.toml`` does the same from a terminal with signals and exit codes.
 """
 
-from corun.compute import Lane, cancel_point
-from corun.config import Config, TrainerConfig
-from corun.config_file import config_from_dict, load_config
-from corun.data import Dataset, ShuffledBatches, read_jsonl
-from corun.distributed import World, shared_count, shared_mean_std, world
-from corun.embed import training
-from corun.episodes import Environment, Episode, EpisodeInbox, Step
-from corun.errors import CheckpointError, ConfigError, DataError, UsageError
-from corun.loop import run
-from corun.procs import ChildProcess
-from corun.registry import resolve_trainer
-from corun.rng import generator, rollout_generator, seed_everything, stable_seed, update_generator
-from corun.session import Session
-from corun.teardown import RunControl
-from corun.trainer import (
-    Batch,
-    Image,
-    Metrics,
-    OptimizerSpec,
-    Outcome,
-    Part,
-    RolloutContext,
-    SetupContext,
-    Trainer,
-)
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+# Where each public name lives. Imported on first use (PEP 562): ``import corun``
+# stays light, so the command's own signal handling is in place before torch loads
+# (corun/entry.py).
+_EXPORTS = {
+    "corun.compute": ["Lane", "cancel_point"],
+    "corun.config": ["Config", "TrainerConfig"],
+    "corun.config_file": ["config_from_dict", "load_config"],
+    "corun.data": ["Dataset", "ShuffledBatches", "read_jsonl"],
+    "corun.distributed": ["World", "shared_count", "shared_mean_std", "world"],
+    "corun.embed": ["training"],
+    "corun.episodes": ["Environment", "Episode", "EpisodeInbox", "Step"],
+    "corun.errors": ["CheckpointError", "ConfigError", "DataError", "UsageError"],
+    "corun.loop": ["run"],
+    "corun.procs": ["ChildProcess"],
+    "corun.registry": ["resolve_trainer"],
+    "corun.rng": [
+        "generator", "rollout_generator", "seed_everything", "stable_seed", "update_generator",
+    ],
+    "corun.session": ["Session"],
+    "corun.teardown": ["RunControl"],
+    "corun.trainer": [
+        "Batch", "Image", "Metrics", "OptimizerSpec", "Outcome", "Part", "RolloutContext",
+        "SetupContext", "Trainer",
+    ],
+}  # fmt: skip
+_MODULE_OF = {name: module for module, names in _EXPORTS.items() for name in names}
+
+if TYPE_CHECKING:
+    from corun.compute import Lane, cancel_point
+    from corun.config import Config, TrainerConfig
+    from corun.config_file import config_from_dict, load_config
+    from corun.data import Dataset, ShuffledBatches, read_jsonl
+    from corun.distributed import World, shared_count, shared_mean_std, world
+    from corun.embed import training
+    from corun.episodes import Environment, Episode, EpisodeInbox, Step
+    from corun.errors import CheckpointError, ConfigError, DataError, UsageError
+    from corun.loop import run
+    from corun.procs import ChildProcess
+    from corun.registry import resolve_trainer
+    from corun.rng import (
+        generator,
+        rollout_generator,
+        seed_everything,
+        stable_seed,
+        update_generator,
+    )
+    from corun.session import Session
+    from corun.teardown import RunControl
+    from corun.trainer import (
+        Batch,
+        Image,
+        Metrics,
+        OptimizerSpec,
+        Outcome,
+        Part,
+        RolloutContext,
+        SetupContext,
+        Trainer,
+    )
 
 __version__ = "0.1.0"
 
@@ -76,3 +115,16 @@ __all__ = [
     "update_generator",
     "world",
 ]
+
+
+def __getattr__(name: str) -> Any:
+    module = _MODULE_OF.get(name)
+    if module is None:
+        raise AttributeError(f"module 'corun' has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted([*globals(), *_MODULE_OF])

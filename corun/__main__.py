@@ -2,6 +2,6 @@
 
 import sys
 
-from corun.cli import main
+from corun.entry import main
 
 sys.exit(main())

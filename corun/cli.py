@@ -1,4 +1,4 @@
-"""``corun train|serve|validate``: the only place that owns argv, signals and exit codes.
+"""``corun train|serve|validate|bench``: the only place that owns argv, signals and exit codes.
 
 ``corun serve`` serves the OpenAI-compatible endpoint for a config's policy — its run's
 latest checkpoint, or its initial weights — without training, and prints
@@ -22,12 +22,14 @@ teardown: a collective its peers abandoned must not hold the interpreter's exit.
 Signals: the first SIGINT/SIGTERM stops the run (teardown runs in full, with a save
 if configured) and arms a hard deadline (``run.hard_deadline_s``) after which the
 process ends whatever hangs; a second skips the optional teardown steps; a third
-ends the process at once.
+ends the process at once. Before the run has started (the config, the trainer's
+imports), a signal ends the process at once, quietly, with 130/143.
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib
 import logging
 import os
 import shutil
@@ -47,6 +49,7 @@ from corun import checkpoint, compute, distributed, launch, procs
 from corun.config import Config, to_toml
 from corun.config_file import load_config
 from corun.deadlines import DeadlineError
+from corun.early_signals import exit_on_signals
 from corun.engine import EngineError
 from corun.errors import UsageError
 from corun.events import EVENTS_FILE, EventLog
@@ -74,18 +77,36 @@ def _parser() -> argparse.ArgumentParser:
         ("train", "train from a TOML config"),
         ("serve", "serve the config's policy on the OpenAI-compatible endpoint, no training"),
         ("validate", "print the resolved config (after overrides) and exit"),
+        ("simulate", "run the loop template on a virtual clock against a latency model"),
     ):
         sub = commands.add_parser(name, help=text, description=text)
         sub.add_argument("config", help="path to a TOML config")
         sub.add_argument("overrides", nargs="*", metavar="KEY.PATH=VALUE", help="config overrides")
+        if name == "simulate":  # corun/simulate.py
+            sub.add_argument("--fit", metavar="RUN_DIR", help="fit the model to a run's records")
+            sub.add_argument("--out", metavar="DIR", help="default runs/simulate/<run.name>")
+    text = "run the throughput suites; report.md and plots in a run directory"
+    bench = commands.add_parser("bench", help=text, description=text)
+    bench.add_argument("suite", nargs="?", default="all", help="suite[,suite...] (default: all)")
+    bench.add_argument("--quick", action="store_true", help="small grids (about 2 minutes)")
+    bench.add_argument("--out", metavar="DIR", help="default runs/bench-<timestamp>")
+    bench.add_argument("--grid", choices=("full", "quick", "tiny"), help=argparse.SUPPRESS)
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
-    _exit_on_signals()  # until the run's own handlers (or launch's) replace these
+    exit_on_signals()  # until the run's own handlers (or launch's) replace these
     logging.basicConfig(format="corun: %(message)s", level=logging.WARNING)
     args = _parser().parse_args(argv)
+    if args.command in ("bench", "simulate"):
+        _raise_on_signals()  # long work of their own, whose `finally` blocks must run
+    if args.command == "bench":
+        return _bench(args)
     try:
+        if args.command == "simulate":
+            from corun.simulate import cli_main
+
+            return cli_main(args.config, args.overrides, args.fit, args.out)
         config = load_config(args.config, args.overrides)
         if args.command == "validate":
             print(to_toml(config), end="")
@@ -106,6 +127,18 @@ def main(argv: list[str] | None = None) -> int:
         return EXIT_USAGE
     except KeyboardInterrupt:  # before the run's own handler was installed
         return _SIGNAL_EXIT["SIGINT"]
+
+
+def _bench(args: argparse.Namespace) -> int:
+    """``corun bench``: benchmarks/suite.py of this source checkout (corun itself never
+    imports benchmarks; an installed corun without the checkout has none)."""
+    root = str(Path(__file__).resolve().parents[1])
+    if not (Path(root) / "benchmarks" / "suite.py").exists():
+        print("corun: error: corun bench needs a source checkout (benchmarks/)", file=sys.stderr)
+        return EXIT_USAGE
+    if root not in sys.path:
+        sys.path.insert(0, root)
+    return int(importlib.import_module("benchmarks.suite").run(args))
 
 
 def _rank_main(config: Config, serve_only: bool) -> int:
@@ -155,24 +188,17 @@ def _rank_config(config: Config, scratch: Path) -> Config:
     )
 
 
-def _exit_on_signals() -> None:
-    """Before a run has started (config, the trainer's imports and construction), the
-    first SIGINT/SIGTERM ends the process at once, quietly, with 130/143: raised as an
-    exception it lands inside some library's import, which may swallow it (a Ctrl-C
-    lost) or leave a module half-imported (another error later). A signal that is
-    ignored (a background job's SIGINT) stays ignored."""
-    for sig in (signal.SIGINT, signal.SIGTERM):
+def _raise_on_signals() -> None:
+    """SIGINT as KeyboardInterrupt, SIGTERM as SystemExit(143) (an ignored one stays so)."""
+    for sig, handler in (
+        (signal.SIGINT, signal.default_int_handler), (signal.SIGTERM, _terminate)
+    ):  # fmt: skip
         if signal.getsignal(sig) is not signal.SIG_IGN:
-            signal.signal(sig, _exit_before_run)
+            signal.signal(sig, handler)
 
 
-def _exit_before_run(signum: int, frame: object) -> None:
-    for stream in (sys.stdout, sys.stderr):
-        try:
-            stream.flush()
-        except Exception:  # inside a write of the main thread's: reentrant call
-            pass
-    os._exit(_SIGNAL_EXIT[signal.Signals(signum).name])
+def _terminate(signum: int, frame: object) -> None:
+    raise SystemExit(_SIGNAL_EXIT["SIGTERM"])
 
 
 def _serve_config(config: Config) -> Config:

@@ -21,11 +21,11 @@ only). A checkpoint records both, so a resumed run trains every index once.
 
 from __future__ import annotations
 
-import time
 from dataclasses import dataclass, field
 
 import anyio
 
+from corun import timebase
 from corun.config import LoopConfig
 
 
@@ -45,6 +45,7 @@ class Clock:
     slots: int = 0  # rollouts admitted, less those dropped: the next one's place in order
     dropped: int = 0  # batches over the staleness bound, never trained
     _changed: anyio.Event = field(default_factory=anyio.Event)
+    _admitting: anyio.Lock = field(default_factory=anyio.Lock)
 
     def __post_init__(self) -> None:
         # Where the current window started: a save in mid-window goes back to it.
@@ -77,9 +78,16 @@ class Clock:
         return ahead < self.concurrency and staleness <= self.max_staleness
 
     async def admit(self) -> int:
-        """Wait until another rollout may start; take its slot and return it."""
-        while not self.admissible():
-            await self._changed.wait()
+        """Wait until another rollout may start; take its slot and return it.
+
+        Waiting workers queue (first come, first admitted) and only the first waits on
+        the clock, so a change wakes one worker, not all of them (1,000 workers:
+        ``corun simulate``).
+        """
+        if self._admitting.locked() or not self.admissible():
+            async with self._admitting:
+                while not self.admissible():
+                    await self._changed.wait()
         self.slots += 1
         return self.slots - 1
 
@@ -165,10 +173,10 @@ class IdleTimes:
     trainer_s: float = 0.0
     generator_s: float = 0.0
     rollouts_started: int = 0
-    _mark: float = field(default_factory=time.monotonic)
+    _mark: float = field(default_factory=timebase.monotonic)
 
     def take(self) -> dict[str, float]:
-        now = time.monotonic()
+        now = timebase.monotonic()
         span = max(now - self._mark, 1e-9)
         ratios = {
             "perf/trainer_idle_ratio": min(self.trainer_s / span, 1.0),

@@ -10,13 +10,14 @@ from __future__ import annotations
 
 import os
 import threading
-import time
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, BinaryIO
 
 import msgspec
+
+from corun import timebase
 
 EVENTS_FILE = "events.jsonl"
 METRICS_FILE = "metrics.jsonl"
@@ -56,7 +57,7 @@ class EventLog(_LineFile):
         super().__init__(run_dir / EVENTS_FILE)
 
     def emit(self, event: str, step: int, **fields: Any) -> None:
-        self.write({"event": event, "step": step, "t": round(time.time(), 6), **fields})
+        self.write({"event": event, "step": step, "t": round(timebase.wall(), 6), **fields})
 
 
 class MetricsLog(_LineFile):
@@ -116,11 +117,11 @@ class Trace:
 
     @contextmanager
     def span(self, name: str, track: str, **args: Any) -> Iterator[None]:
-        start = time.time()
+        start = timebase.wall()
         try:
             yield
         finally:
-            self.complete(name, track, start, time.time(), **args)
+            self.complete(name, track, start, timebase.wall(), **args)
 
     def complete(self, name: str, track: str, start: float, end: float, **args: Any) -> None:
         span = {

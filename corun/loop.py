@@ -19,14 +19,13 @@ order) is dropped and its data index generated again.
 from __future__ import annotations
 
 import secrets
-import time
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
 import anyio
 
-from corun import checkpoint, deadlines, distributed, guest, prerequisites, rundir
+from corun import checkpoint, deadlines, distributed, guest, prerequisites, rundir, timebase
 from corun.cadence import Cadence
 from corun.checkpointer import Checkpointer
 from corun.clock import Clock, IdleTimes
@@ -277,12 +276,12 @@ class _Run:
             producers.start_soon(producer.run, send)
             async with receive:
                 while self.clock.step < self.config.run.steps:
-                    waiting = time.monotonic()
+                    waiting = timebase.monotonic()
                     try:
                         batch = await receive.receive()
                     except anyio.EndOfStream:  # the producer failed: its error surfaces here
                         break
-                    self.idle.trainer_s += time.monotonic() - waiting
+                    self.idle.trainer_s += timebase.monotonic() - waiting
                     if self.clock.is_stale(batch.version):
                         self._drop(batch)
                         producer.requeue(batch.index)
@@ -300,14 +299,14 @@ class _Run:
     # ------------------------------------------------------------------ one step
 
     async def _train_one(self, batch: Batch) -> None:
-        started = time.monotonic()
+        started = timebase.monotonic()
         staleness = self.clock.version - batch.version
         metrics = await self._update(batch)
         # The update has been applied: record it before any further await, so a
         # cancellation from here on cannot lose the step's bookkeeping.
         self.clock.trained(batch.index)
         self.teardown.step = step = self.clock.step
-        self._log_step(batch, metrics, staleness, time.monotonic() - started)
+        self._log_step(batch, metrics, staleness, timebase.monotonic() - started)
         if self.cadence.syncs(step):
             await self._sync()
         if self.cadence.evaluates(step):
@@ -344,7 +343,7 @@ class _Run:
         if not overrides(self.trainer, "sync_weights"):
             self.clock.publish(version)
             return
-        started = time.monotonic()
+        started = timebase.monotonic()
         with deadlines.sync(self.trace, self.config, version):  # run.sync_timeout_s
             await call_hook(self.train_lane, self.trainer.sync_weights, version)
             if self.remote is not None:
@@ -352,13 +351,13 @@ class _Run:
         self.clock.publish(version)
         fields = {"forced": True} if forced else {}
         self.events.emit("sync", self.clock.step, version=version, **fields)
-        self._log(self.clock.step, {"perf/sync_time_s": time.monotonic() - started})
+        self._log(self.clock.step, {"perf/sync_time_s": timebase.monotonic() - started})
 
     async def _evaluate(self, event: str, hook: Any, *args: Any) -> None:
-        started = time.monotonic()
+        started = timebase.monotonic()
         with self.trace.span(event, "trainer"):
             metrics = dict(await call_hook(self.train_lane, hook, *args))
-        metrics["perf/eval_time_s"] = time.monotonic() - started
+        metrics["perf/eval_time_s"] = timebase.monotonic() - started
         self._log(self.clock.step, metrics)
         self.events.emit(event, self.clock.step)
 

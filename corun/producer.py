@@ -12,11 +12,11 @@ from __future__ import annotations
 
 import heapq
 import inspect
-import time
 from typing import Any
 
 import anyio.abc
 
+from corun import timebase
 from corun.clock import Clock, IdleTimes
 from corun.compute import Lane
 from corun.config import Config
@@ -108,7 +108,7 @@ class Producer:
     async def _rollout(
         self, worker: int, lane: Lane, track: str, index: int, slot: int, attempt: int
     ) -> Batch:
-        started = time.monotonic()
+        started = timebase.monotonic()
         self.idle.rollouts_started += 1
         scheduled = self.clock.scheduled_version(slot) if self.fixed_schedule else None
         ctx = RolloutContext(
@@ -128,7 +128,7 @@ class Producer:
         if batch.version < 0:  # the trainer did not say which weights it used
             batch.version = version
         batch.index = index
-        batch.metrics = {**batch.metrics, "perf/rollout_time_s": time.monotonic() - started}
+        batch.metrics = {**batch.metrics, "perf/rollout_time_s": timebase.monotonic() - started}
         return batch
 
     async def _claim(self) -> tuple[int, int]:
@@ -140,11 +140,11 @@ class Producer:
         a dropped batch may still put its index back.
         """
         while True:
-            waiting = time.monotonic()
+            waiting = timebase.monotonic()
             while not (self._first or self._requeued) and self._upcoming() >= self.stop:
                 await self._work_added.wait()
             slot = await self.clock.admit()
-            self.idle.generator_s += time.monotonic() - waiting
+            self.idle.generator_s += timebase.monotonic() - waiting
             if self._first:
                 index = self._first.pop(0)
             elif self._requeued:

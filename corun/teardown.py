@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import inspect
 import logging
-import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -28,6 +27,7 @@ from typing import Any
 import anyio
 import anyio.to_thread
 
+from corun import timebase
 from corun.compute import ABANDON_GRACE_S, abandoning
 from corun.events import EventLog
 
@@ -100,7 +100,7 @@ class Teardown:
             if step.optional and self.control.urgent:
                 self.events.emit(f"teardown:{step.name}", self.step, status="skipped")
                 continue
-            started = time.monotonic()
+            started = timebase.monotonic()
             status = "ok"
             error: BaseException | None = None
             with anyio.CancelScope(shield=True) as scope:
@@ -117,7 +117,7 @@ class Teardown:
             if scope.cancelled_caught:
                 status = "skipped" if self.control.urgent and step.optional else "timeout"
             fields: dict[str, Any] = {"status": status}
-            fields["duration_s"] = round(time.monotonic() - started, 6)
+            fields["duration_s"] = round(timebase.monotonic() - started, 6)
             if error is not None:
                 fields["error"] = f"{type(error).__name__}: {error}"
                 log.error("teardown step %s failed: %s", step.name, fields["error"])
