@@ -29,13 +29,14 @@ def test_offline_run_reattaches_and_leaves_no_process(
     monkeypatch.delenv("WANDB_MODE")
     monkeypatch.setenv("WANDB_SILENT", "true")
     run_dir = tmp_path / "run"
+    before = set(_children())  # earlier tests' (multiprocessing's resource tracker)
     for steps in (2, 4):
         config = make_config(
             run_dir, {"kind": "tests.fakes:FakeTrainer"}, run={"steps": steps},
             log={"wandb": "offline"},
         )  # fmt: skip
         anyio.run(corun.run, FakeTrainer(config), config)
-        assert _children() == []
+        assert set(_children()) <= before, "the run left a process (wandb's service?)"
     run_ids = {r["run_id"] for r in read_records(run_dir / "events.jsonl")
                if r["event"] == "start"}  # fmt: skip
     assert len(run_ids) == 1
