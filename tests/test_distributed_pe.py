@@ -31,6 +31,7 @@ from tests.conftest import make_config
 from tests.dp_trainers import TwoShards
 from tests.test_distributed import _assert_same, _one_process, _tables, _two_ranks
 from tests.test_distributed_kinds import PE
+from trainers import pg
 from trainers.diffusion import flow_rl
 from trainers.pe.rl import PromptEnhancerTrainer
 
@@ -76,7 +77,8 @@ async def test_whole_batch_settings_are_refused_under_torchrun(
     grpo: dict[str, Any], refused: str,
 ) -> None:  # fmt: skip
     """What a rank cannot apply to its shard alone: one line, before any step."""
-    monkeypatch.setattr(flow_rl, "world", lambda: World(0, 2))
+    for module in (pg, flow_rl):
+        monkeypatch.setattr(module, "world", lambda: World(0, 2))
     config = make_config(tmp_path, {"kind": "pe", **PE, "grpo": grpo})
     with pytest.raises(corun.ConfigError, match=rf"`\$\.trainer\.grpo\.{refused}`"):
         await corun.run(PromptEnhancerTrainer(config), config)

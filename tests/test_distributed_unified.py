@@ -16,8 +16,9 @@ from corun.distributed import World
 from tests.conftest import make_config
 from tests.dp_trainers import TwoShardUnified, TwoShardUnifiedPretrain
 from tests.test_distributed import Kinds
+from trainers import pg
 from trainers.diffusion import flow_rl
-from trainers.unified import UnifiedTrainer, rl
+from trainers.unified import UnifiedTrainer
 
 # Addition: answers of 1 to 3 digits, so the ranks' shards hold different token counts
 # (a text mean over a rank's own count shows) and pad to different lengths.
@@ -62,7 +63,7 @@ async def test_whole_batch_settings_are_refused_under_torchrun(
     settings: dict[str, Any], refused: str,
 ) -> None:  # fmt: skip
     """What a rank cannot apply to its shard alone: one line, before any step."""
-    for module in (rl, flow_rl):
+    for module in (pg, flow_rl):
         monkeypatch.setattr(module, "world", lambda: World(0, 2))
     config = make_config(tmp_path, {"kind": "unified", **SHAPE, **settings})
     with pytest.raises(corun.ConfigError, match=rf"`\$\.trainer\.{refused}`"):

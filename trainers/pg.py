@@ -20,6 +20,8 @@ from typing import Literal, get_args
 import torch
 from torch import Tensor
 
+from corun import ConfigError, world
+
 AdvantageScope = Literal["group", "batch"]
 LossAggregation = Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum"]
 
@@ -41,6 +43,16 @@ def fill_failed(rewards: Tensor, ok: Tensor, group_size: int) -> Tensor:
     count = good.sum(dim=1, keepdim=True)
     mean = (grouped * good).sum(dim=1, keepdim=True) / count.clamp(min=1)
     return torch.where(good, grouped, mean.expand_as(grouped)).flatten()
+
+
+def check_scope_shardable(scope: AdvantageScope, key: str) -> None:
+    """Refuse (one line, ``key`` the setting's path under ``$.trainer``) a batch-wide
+    advantage normalisation under torchrun: each rank sees only its shard of the batch."""
+    if scope == "batch" and world().parallel:
+        raise ConfigError(
+            f'`$.trainer.{key}` = "batch": not under data-parallel training yet (each rank '
+            'would normalise by its own shard); use "group" or run.nproc = 1'
+        )
 
 
 def group_advantages(

@@ -32,7 +32,13 @@ from trainers.diffusion.sampling import (
     step_log_prob,
 )
 from trainers.diffusion.shapes import Rewards, score
-from trainers.pg import AdvantageScope, clipped_surrogate, group_advantages, zero_std_groups
+from trainers.pg import (
+    AdvantageScope,
+    check_scope_shardable,
+    clipped_surrogate,
+    group_advantages,
+    zero_std_groups,
+)
 
 UnitFloat = Annotated[float, msgspec.Meta(gt=0, le=1)]
 NonNegativeFloat = Annotated[float, msgspec.Meta(ge=0)]
@@ -64,11 +70,7 @@ def check_data_parallel(settings: FlowGRPOSettings, table: str = "grpo") -> None
     torchrun: a batch-wide advantage std, a random subset of steps per rank."""
     if not world().parallel:
         return
-    if settings.adv_scope == "batch":
-        raise ConfigError(
-            f'`$.trainer.{table}.adv_scope` = "batch": not under data-parallel training yet '
-            '(each rank would use its own shard\'s std); use "group" or run.nproc = 1'
-        )
+    check_scope_shardable(settings.adv_scope, f"{table}.adv_scope")
     if settings.timestep_choice == "random" and settings.timestep_fraction < 1:
         raise ConfigError(
             f'`$.trainer.{table}.timestep_choice` = "random": not under data-parallel '

@@ -19,7 +19,7 @@ from trainers.lm.engine import Rollouts
 from trainers.lm.policy_gradient import PolicyGradientTrainer, RLConfig, Scored
 from trainers.lm.rl import LMPolicyTrainer
 from trainers.lm.settings import PositiveInt
-from trainers.pg import AdvantageScope, group_advantages, zero_std_groups
+from trainers.pg import AdvantageScope, check_scope_shardable, group_advantages, zero_std_groups
 
 
 class GRPOConfig(RLConfig, frozen=True, forbid_unknown_fields=True, kw_only=True):
@@ -51,11 +51,7 @@ class GRPOAlgorithm(PolicyGradientTrainer[GRPOConfig]):
 
     def training_data(self, scored: Scored) -> GRPOBatch:
         cfg, n = self.config, self.config.samples_per_prompt
-        if cfg.adv_scope == "batch" and world().parallel:  # each rank sees its shard only
-            raise ConfigError(
-                '`$.trainer.adv_scope` = "batch": not under data-parallel training yet (each '
-                'rank would normalise by its own shard); use "group" or run.nproc = 1'
-            )
+        check_scope_shardable(cfg.adv_scope, "adv_scope")
         advantages = group_advantages(scored.rewards, n, cfg.adv_scope, cfg.adv_std_norm)
         return GRPOBatch(scored.rollouts, advantages)
 

@@ -25,7 +25,7 @@ import msgspec
 import torch
 from torch import Tensor
 
-from corun import Batch, ConfigError, Part, RolloutContext, SetupContext, shared_count, world
+from corun import Batch, Part, RolloutContext, SetupContext, shared_count
 from corun.prerequisites import is_config
 from trainers.diffusion.flow_rl import (
     FlowGRPOSettings,
@@ -43,6 +43,7 @@ from trainers.lm.tasks import Task, encode_prompts
 from trainers.pg import (
     AdvantageScope,
     LossAggregation,
+    check_scope_shardable,
     group_advantages,
     zero_std_groups,
 )
@@ -109,11 +110,7 @@ class UnifiedTrainer(UnifiedBase[UnifiedConfig]):
 
     def setup(self, ctx: SetupContext) -> None:
         cfg = self.config
-        if cfg.text.adv_scope == "batch" and world().parallel:  # a rank sees its shard only
-            raise ConfigError(
-                '`$.trainer.text.adv_scope` = "batch": not under data-parallel training yet '
-                '(each rank would normalise by its own shard); use "group" or run.nproc = 1'
-            )
+        check_scope_shardable(cfg.text.adv_scope, "text.adv_scope")
         check_data_parallel(cfg.image, "image")
         if cfg.init_from:
             model = unified_from(cfg.init_from)
