@@ -62,11 +62,12 @@ async def run(
     outcome: Outcome | None = None
     try:
         checkpoint.check_writable(config.run_dir)
-        with guest.running(), rundir.put_back_on_refusal(config.run_dir) as guard:
-            restored = await blocking_io(config.loop.compute, checkpoint.restore_point, config)
-            config.run_dir.mkdir(parents=True, exist_ok=True)
-            checkpoint.remove_partial_writes(config.run_dir)
-            outcome = await guard.watch(_Run(trainer, config, session, restored)).run()
+        with guest.running():
+            async with rundir.put_back_on_refusal(config.run_dir, config.loop.compute) as guard:
+                restored = await blocking_io(config.loop.compute, checkpoint.restore_point, config)
+                config.run_dir.mkdir(parents=True, exist_ok=True)
+                checkpoint.remove_partial_writes(config.run_dir)
+                outcome = await guard.watch(_Run(trainer, config, session, restored)).run()
         return outcome
     finally:
         session.over(outcome)

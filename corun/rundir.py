@@ -11,13 +11,14 @@ to its old size and bytes (appended records; the trace rewrites only its tail).
 from __future__ import annotations
 
 import shutil
-from collections.abc import Iterator
-from contextlib import contextmanager
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Protocol, TypeVar
 
 from corun.clock import Clock
+from corun.compute import ComputeMode, blocking_io
 from corun.errors import UsageError
 
 
@@ -72,8 +73,20 @@ class Guard:
                     f.write(before.tail)
 
 
-@contextmanager
-def put_back_on_refusal(run_dir: Path) -> Iterator[Guard]:
+@asynccontextmanager
+async def put_back_on_refusal(run_dir: Path, mode: ComputeMode) -> AsyncIterator[Guard]:
+    """Note ``run_dir``'s files; on a usage error before a step is trained, put them
+    back. The file work runs off the event loop (``mode``: as the run's compute)."""
+    guard = await blocking_io(mode, _noted, run_dir)
+    try:
+        yield guard
+    except UsageError:
+        if not guard.trained:
+            await blocking_io(mode, guard.put_back)
+        raise
+
+
+def _noted(run_dir: Path) -> Guard:
     guard = Guard(run_dir, existed=run_dir.is_dir())
     if guard.existed:
         for path in run_dir.rglob("*"):
@@ -84,9 +97,4 @@ def put_back_on_refusal(run_dir: Path) -> Iterator[Guard]:
                 with open(path, "rb") as f:
                     f.seek(max(0, size - _TAIL_BYTES))
                     guard.files[path] = _File(size, f.read())
-    try:
-        yield guard
-    except UsageError:
-        if not guard.trained:
-            guard.put_back()
-        raise
+    return guard
