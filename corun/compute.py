@@ -36,6 +36,8 @@ import anyio
 import anyio.to_thread
 import sniffio
 
+from corun import cores
+
 T = TypeVar("T")
 ComputeMode = Literal["thread", "inline"]
 
@@ -100,12 +102,19 @@ class _Call(Generic[T]):
     result: Any = None
     error: BaseException | None = None
 
-    def run(self) -> None:
+    def run(self, budget: cores.ThreadBudget | None) -> None:
         _lane_local.call = self
         try:
             if self.cancel_requested.is_set():  # cancelled while queued: never start it
                 raise LaneCancelled()
-            self.result = self.fn(*self.args)
+            if budget is None:
+                self.result = self.fn(*self.args)
+            else:
+                budget.start_call()
+                try:
+                    self.result = self.fn(*self.args)
+                finally:  # before the wake: the caller's next call counts lanes anew
+                    budget.end_call()
         except BaseException as exc:  # handed to the awaiting task, which re-raises it
             self.error = exc
         finally:
@@ -139,9 +148,10 @@ class Lane:
     def __init__(self, name: str, mode: ComputeMode = "thread", torch_threads: int = 0) -> None:
         self.name = name
         self.mode = mode
-        # torch's intra-op thread count is per OS thread: lanes that run side by side
-        # get their own budget so together they do not oversubscribe the cores.
+        # torch's intra-op thread count is per OS thread: a fixed count for each lane,
+        # or (0) the free cores' budget, re-read before each call (corun/cores.py).
         self.torch_threads = torch_threads
+        self._budget = cores.ThreadBudget() if torch_threads == 0 else None
         self._calls: queue.SimpleQueue[_Call[Any] | None] = queue.SimpleQueue()
         self._thread: threading.Thread | None = None
         self._running: _Call[Any] | None = None  # the call the lane's thread is in
@@ -192,7 +202,7 @@ class Lane:
         while (call := calls.get()) is not None:
             if calls is self._calls:
                 self._running = call
-            call.run()
+            call.run(self._budget)
             if self._running is call:
                 self._running = None
 

@@ -16,7 +16,7 @@ from torch import Tensor
 
 from corun import ConfigError, RolloutContext, SetupContext, world
 from trainers.lm.engine import Rollouts
-from trainers.lm.policy_gradient import PolicyGradientTrainer, RLConfig, Scored
+from trainers.lm.policy_gradient import PolicyGradientTrainer, Proximal, RLConfig, Scored
 from trainers.lm.rl import LMPolicyTrainer
 from trainers.lm.settings import PositiveInt
 from trainers.pg import AdvantageScope, check_scope_shardable, group_advantages, zero_std_groups
@@ -56,7 +56,7 @@ class GRPOAlgorithm(PolicyGradientTrainer[GRPOConfig]):
         return GRPOBatch(scored.rollouts, advantages)
 
     def rows_loss(
-        self, data: GRPOBatch, rows: slice, proximal: Tensor | None
+        self, data: GRPOBatch, rows: slice, proximal: Proximal
     ) -> tuple[Tensor, dict[str, float]]:
         loss, metrics, _ = self.policy_loss(
             data.rollouts, rows, data.advantages[rows, None], proximal

@@ -97,13 +97,20 @@ class Scored:
     rewards: Tensor  # (N,)
 
 
+# Decoupled correction's proximal log-probs: computed, "own" (the loss's forward pass
+# runs on the proximal weights: the batch's first optimizer step), or None (no correction).
+Proximal = Tensor | Literal["own"] | None
+
+
 @dataclass
 class Prepared(Generic[D]):
     """A batch's training data after ``prepare``."""
 
     data: D
-    # Log-probs under the weights before this batch's update (decoupled correction).
+    # Log-probs under the weights before this batch's update (decoupled correction);
+    # None: no correction, or the first mini-batch's own log-probs are them.
     proximal: Tensor | None
+    decoupled: bool = False
 
 
 class PolicyGradientTrainer(Trainer[C]):
@@ -120,6 +127,9 @@ class PolicyGradientTrainer(Trainer[C]):
                 '`$.trainer.inflight_at_sync` = "interrupt": a partial rollout switches weights '
                 'when a publish happens to come, which loop.version_schedule = "fixed" forbids'
             )
+        # Several optimizer steps per batch: the later ones need the proximal log-probs
+        # computed before the first (prepare); with one, its own forward pass has them.
+        self.later_mini_batches = ctx.config.loop.mini_batches > 1
         self.policy = self.initial_policy()
         # The KL anchor is the initial policy, frozen (on resume too: set-up rebuilds it).
         self.reference = frozen_copy(self.policy) if cfg.kl_coef > 0 else None
@@ -162,11 +172,12 @@ class PolicyGradientTrainer(Trainer[C]):
     def prepare(self, batch: Batch) -> Prepared[Any]:
         data = self.prepare_data(batch.data)
         proximal = None
-        if self.config.off_policy_correction == "decoupled":
+        decoupled = self.config.off_policy_correction == "decoupled"
+        if decoupled and self.later_mini_batches:
             rollouts = data.rollouts
             with torch.no_grad():  # the policy before this batch's update
                 proximal, _, _ = rollout_logprobs(self.policy, rollouts, self.config.temperature)
-        return Prepared(data, proximal)
+        return Prepared(data, proximal, decoupled)
 
     def prepare_data(self, data: Any) -> Any:
         """Per-batch work before the update (PPO: old values and GAE)."""
@@ -176,21 +187,24 @@ class PolicyGradientTrainer(Trainer[C]):
         prepared: Prepared[Any] = batch.data
         self.policy.train()
         rows = part.rows(prepared.data.rollouts.prompt_ids.shape[0])
-        return self.rows_loss(prepared.data, rows, prepared.proximal)
+        proximal: Proximal = prepared.proximal
+        if prepared.decoupled and part.mini == 0:
+            proximal = "own"  # no step applied since prepare: the loss's forward has them
+        return self.rows_loss(prepared.data, rows, proximal)
 
     def rows_loss(
-        self, data: Any, rows: slice, proximal: Tensor | None
+        self, data: Any, rows: slice, proximal: Proximal
     ) -> tuple[Tensor, dict[str, float]]:
         raise NotImplementedError
 
     def policy_loss(
-        self, rollouts: Rollouts, rows: slice, advantages: Tensor, proximal: Tensor | None
+        self, rollouts: Rollouts, rows: slice, advantages: Tensor, proximal: Proximal
     ) -> tuple[Tensor, dict[str, float], Tensor]:
         """Clipped surrogate (+ KL) over ``rows``; ``advantages`` is (rows, 1) or (rows, T)."""
         cfg = self.config
         return clipped_policy_loss(
             self.policy, rollouts.select(rows), advantages, cfg,
-            proximal=None if proximal is None else proximal[rows],
+            proximal=proximal if proximal is None or proximal == "own" else proximal[rows],
             importance_cap=cfg.importance_cap, reference=self.reference, kl_coef=cfg.kl_coef,
             kl_clamp=cfg.kl_clamp, dual_clip=cfg.dual_clip,
         )  # fmt: skip
@@ -245,15 +259,15 @@ class PolicyLossSettings(Protocol):
 
 def clipped_policy_loss(
     policy: CausalPolicy, rollouts: Rollouts, advantages: Tensor, settings: PolicyLossSettings,
-    *, proximal: Tensor | None = None, importance_cap: float = 1.0,
+    *, proximal: Proximal = None, importance_cap: float = 1.0,
     reference: CausalPolicy | None = None, kl_coef: float = 0.0, kl_clamp: float | None = None,
     dual_clip: float | None = None,
 ) -> tuple[Tensor, dict[str, float], Tensor]:  # fmt: skip
     """The clipped surrogate of ``rollouts`` under ``policy`` (decoupled against
-    ``proximal`` log-probs when given, weights capped at ``importance_cap``; dual clip
-    at ``dual_clip``), plus ``kl_coef`` × k3 KL (capped at ``kl_clamp``) to
-    ``reference`` when given. Returns the aggregated loss, metrics, and the hidden
-    states (a value head's input)."""
+    ``proximal`` log-probs when given — ``"own"``: the policy's own, detached —, weights
+    capped at ``importance_cap``; dual clip at ``dual_clip``), plus ``kl_coef`` × k3 KL
+    (capped at ``kl_clamp``) to ``reference`` when given. Returns the aggregated loss,
+    metrics, and the hidden states (a value head's input)."""
     logp, entropy, hidden = rollout_logprobs(policy, rollouts, settings.temperature)
     mask = rollouts.response_mask
     # The metrics' token means divide by the shared count too: averaged over the ranks
@@ -261,6 +275,8 @@ def clipped_policy_loss(
     tokens = shared_count(mask.sum()).clamp(min=1)
     metrics: dict[str, float] = {}
     if proximal is not None:
+        if isinstance(proximal, str):  # "own": the weights are the proximal policy's
+            proximal = logp.detach()
         loss_tok, clipped, weights = decoupled_surrogate(
             logp, proximal, rollouts.logprobs, advantages, settings.clip_low,
             settings.clip_high, importance_cap, clip_ratio_c=dual_clip,

@@ -19,7 +19,7 @@ from torch import Tensor, nn
 from corun import RolloutContext, shared_count, shared_mean_std
 from trainers.lm.engine import Rollouts
 from trainers.lm.policy import rollout_logprobs
-from trainers.lm.policy_gradient import PolicyGradientTrainer, RLConfig, Scored
+from trainers.lm.policy_gradient import PolicyGradientTrainer, Proximal, RLConfig, Scored
 from trainers.lm.rl import LMPolicyTrainer
 from trainers.lm.settings import NonNegativeFloat
 from trainers.pg import aggregate, clipped_value_loss, gae
@@ -75,7 +75,7 @@ class PPOAlgorithm(PolicyGradientTrainer[PPOConfig]):
         return PPOBatch(rollouts, old_values, advantages, returns)
 
     def rows_loss(
-        self, data: PPOBatch, rows: slice, proximal: Tensor | None
+        self, data: PPOBatch, rows: slice, proximal: Proximal
     ) -> tuple[Tensor, dict[str, float]]:
         policy_loss, metrics, hidden = self.policy_loss(
             data.rollouts, rows, data.advantages[rows], proximal
