@@ -11,6 +11,7 @@ import torch
 from tests.conftest import make_config
 from tests.loops import Harness
 from trainers.lm.grpo import GRPOTrainer
+from trainers.lm.policy_gradient import rollout_logprobs
 from trainers.pg import clipped_surrogate, decoupled_surrogate
 
 
@@ -61,3 +62,44 @@ def test_decoupled_step_equals_plain_step_on_policy(tmp_path: Path) -> None:
     # Not bitwise: the loss is multiplied by weights that are 1 only up to rounding.
     for key in states[0]:
         assert torch.allclose(states[0][key], states[1][key], atol=1e-6), key
+
+
+def test_first_mini_batch_takes_the_proximal_log_probs_from_its_own_forward(
+    tmp_path: Path,
+) -> None:
+    """One optimizer step per batch: the weights the loss runs on are the proximal
+    policy, so ``prepare`` skips the second forward pass and the loss uses its own
+    log-probs, detached — the same loss and gradients as with the pass, on a batch
+    made stale by an update in between. With two mini-batches the pass is made."""
+    trainer_settings = {
+        "kind": "grpo", "d_model": 32, "n_heads": 2, "n_layers": 1, "samples_per_prompt": 4,
+        "eval_size": 8, "truncated_reward": "keep", "off_policy_correction": "decoupled",
+        "lr": 0.05,
+    }  # fmt: skip
+    config = make_config(tmp_path / "one", trainer_settings, data={"batch_size": 4})
+    harness = Harness(GRPOTrainer, config, seed=0)
+    trainer = harness.trainer
+    stale = harness.rollout(0)
+    harness.update(harness.rollout(1))  # the weights move on: batch 0 is now stale
+    prepared = trainer.prepare(stale)
+    assert prepared.proximal is None and prepared.decoupled
+    data, rows = prepared.data, slice(0, stale.data.rollouts.prompt_ids.shape[0])
+    with torch.no_grad():
+        computed, _, _ = rollout_logprobs(trainer.policy, data.rollouts, trainer.config.temperature)
+    results = []
+    for proximal in ("own", computed):
+        trainer.policy.zero_grad()
+        loss, metrics = trainer.rows_loss(data, rows, proximal)
+        loss.backward()
+        grads = [p.grad.clone() for p in trainer.policy.parameters() if p.grad is not None]
+        results.append((loss.detach(), metrics, grads))
+    (own_loss, own_metrics, own_grads), (loss, metrics, grads) = results
+    assert abs(metrics["importance_weight_mean"] - 1.0) > 1e-3  # stale: weights not 1
+    assert torch.allclose(own_loss, loss, atol=1e-6)
+    assert abs(own_metrics["importance_weight_mean"] - metrics["importance_weight_mean"]) < 1e-6
+    for own_grad, grad in zip(own_grads, grads, strict=True):
+        assert torch.allclose(own_grad, grad, atol=1e-6)
+
+    two = make_config(tmp_path / "two", trainer_settings, data={"batch_size": 4},
+                      loop={"mini_batches": 2})  # fmt: skip
+    assert Harness(GRPOTrainer, two, seed=0).trainer.prepare(stale).proximal is not None
