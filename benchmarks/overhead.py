@@ -122,11 +122,15 @@ ROOT = Path(__file__).resolve().parents[1]
 # ----------------------------------------------------------------------------- one measurement
 
 
-def _config(run_dir: Path, trainer: dict[str, Any], steps: int, compute: str) -> corun.Config:
+def _config(
+    run_dir: Path, trainer: dict[str, Any], steps: int, compute: str, lane_threads: int = 0
+) -> corun.Config:
+    loop = {"baseline_eval": False, "eval_interval": 0, "compute": compute,
+            "lane_threads": lane_threads}  # fmt: skip
     return corun.config_from_dict(
         {
             "run": {"dir": str(run_dir), "steps": steps, "seed": 0},
-            "loop": {"baseline_eval": False, "eval_interval": 0, "compute": compute},
+            "loop": loop,
             "log": {"progress": "off", "wandb": "disabled"},
             "data": {"batch_size": SFT_BATCH},
             "trainer": trainer,
@@ -177,7 +181,7 @@ def measure(request: Request) -> list[float]:
     if request["what"] == "noop":
         config = _config(run_dir, {"kind": NOOP_KIND}, steps, compute)
         return run_intervals(NoopTrainer, config, request["backend"])
-    config = _config(run_dir, SFT_TRAINER, steps, compute)
+    config = _config(run_dir, SFT_TRAINER, steps, compute, request.get("lane_threads", 0))
     if request["what"] == "plain":
         return plain_intervals(config)
     return run_intervals(SFTTrainer, config, request["backend"])

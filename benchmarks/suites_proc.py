@@ -136,7 +136,7 @@ def suite_ctrl_c(grid: str, scratch: Path, note: Note) -> list[Table]:
     )]  # fmt: skip
 
 
-SHARED = {"full": 60, "quick": 15, "tiny": 5}  # steps
+SHARED = {"full": 80, "quick": 30, "tiny": 5}  # steps
 COMPETITORS = {  # what runs beside the measurement: a command, killed after
     "quiet": None,
     "one busy process": "while True: pass",
@@ -146,21 +146,24 @@ COMPETITORS = {  # what runs beside the measurement: a command, killed after
 
 def suite_shared(grid: str, scratch: Path, note: Note) -> list[Table]:
     """The same short SFT run (configs/sft.toml's model, in a fresh process) on the quiet
-    machine, with one busy process beside it, and with a plain torch loop beside it; in
-    the full grid also a plain torch SFT loop as the measured run."""
+    machine, with one busy process beside it, and with a plain torch loop beside it:
+    corun's default (torch threads from the free cores) against 2 fixed threads (torch's
+    own default, corun's before), inline compute and a plain torch SFT loop as the
+    measured run (not in the quick grid)."""
     steps = SHARED[grid]
-    subjects = [("corun run, thread compute", "run", "thread")]
-    if grid == "full":
-        subjects += [("corun run, inline compute", "run", "inline"),
-                     ("plain torch SFT loop", "plain", "inline")]  # fmt: skip
+    subjects = [("corun run, default (free cores)", "run", "thread", 0)]
+    if grid != "quick":  # a tiny grid tries every row
+        subjects += [("corun run, 2 fixed threads (before)", "run", "thread", 2),
+                     ("corun run, inline compute", "run", "inline", 0),
+                     ("plain torch SFT loop", "plain", "inline", 0)]  # fmt: skip
     rows, ratios = [], []
-    for label, what, compute in subjects:
+    for label, what, compute, threads in subjects:
         times: dict[str, float] = {}
         for beside, code in COMPETITORS.items():
             note(f"{label}, {beside}")
-            run_dir = scratch / f"shared-{what}-{compute}-{len(times)}"
+            run_dir = scratch / f"shared-{what}-{compute}-{threads}-{len(times)}"
             request = {"what": what, "steps": steps, "backend": "asyncio", "compute": compute,
-                       "run_dir": str(run_dir)}  # fmt: skip
+                       "run_dir": str(run_dir), "lane_threads": threads}  # fmt: skip
             hog = None if code is None else subprocess.Popen([sys.executable, "-c", code])
             try:
                 times[beside] = statistics.median(overhead.in_fresh_process(request))
@@ -178,5 +181,7 @@ def suite_shared(grid: str, scratch: Path, note: Note) -> list[Table]:
          *(f"slowdown, {b}" for b in list(COMPETITORS)[1:])], rows, ratios,
         "the same run on the quiet machine, same bench run",
         ["Beside it: `python -c 'while True: pass'`, or a loop of 256x256 matmuls at torch's "
-         "default threads; killed after each measurement. Median step interval."],
+         "default threads; killed after each measurement. Median step interval. The default "
+         "re-reads the free cores four times a second (corun/cores.py); the fixed row is "
+         "`loop.lane_threads = 2`."],
     )]  # fmt: skip

@@ -160,7 +160,13 @@ class Lane:
     async def run(self, fn: Callable[..., T], *args: Any) -> T:
         if self.mode == "inline":
             # Lowest overhead; the event loop is blocked for the call's duration.
-            return fn(*args)
+            if self._budget is None:
+                return fn(*args)
+            self._budget.start_call()
+            try:
+                return fn(*args)
+            finally:
+                self._budget.end_call()
         done = anyio.Event()
         call: _Call[T] = _Call(fn, args, _waker(done))
         self._start()

@@ -88,8 +88,8 @@ class LoopConfig(Section, frozen=True, forbid_unknown_fields=True, kw_only=True)
     # up over max_staleness is dropped and generated again).
     order: Literal["start", "completion"] = "start"
     # torch intra-op threads for each lane (the train lane and, when concurrency > 1,
-    # every rollout worker's); 0: the cores other processes leave free, re-read twice
-    # a second (split among lanes that overlap), so a busy neighbour does not stall
+    # every rollout worker's); 0: the cores other processes leave free, re-read four
+    # times a second (split among lanes that overlap), so a busy neighbour does not stall
     # torch's thread team. A fixed count makes float rounding independent of the
     # machine's load (thread compute only; corun/cores.py).
     lane_threads: Annotated[int, msgspec.Meta(ge=0, le=1024)] = 0

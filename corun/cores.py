@@ -4,7 +4,7 @@ torch's OpenMP threads spin at barriers, so a thread team larger than the cores 
 of other processes' work waits at every op for its descheduled member: measured on 2
 cores, an SFT step 3x slower beside one busy process (README, "Sharing the machine").
 A lane with ``loop.lane_threads = 0`` (the default) therefore uses the cores other
-processes leave free, re-read from ``/proc/stat`` at most twice a second and split
+processes leave free, re-read from ``/proc/stat`` at most four times a second, split
 among the lanes computing side by side; on a quiet machine with one lane that is every
 core, as torch's own default.
 """
@@ -16,7 +16,7 @@ import sys
 import threading
 import time
 
-SAMPLE_INTERVAL_S = 0.5  # how often the free cores are re-read
+SAMPLE_INTERVAL_S = 0.25  # how often the free cores are re-read
 HYSTERESIS = 0.6  # cores of others' work past the current estimate before it moves
 
 
@@ -56,6 +56,12 @@ class FreeCores:
         self._next = 0.0
         self.clock = time.monotonic
 
+    def prime(self) -> None:
+        """Take the first sample now (if none yet), so the first call that comes
+        ``SAMPLE_INTERVAL_S`` later already knows the machine's load."""
+        if self._last is None:
+            self()
+
     def __call__(self) -> int:
         now = self.clock()
         if now >= self._next and self._lock.acquire(blocking=False):
@@ -78,7 +84,12 @@ class FreeCores:
         self._last = (now, *ticks)
 
 
-free_cores = FreeCores()
+_free = FreeCores()
+
+
+def free_cores() -> int:
+    """The cores not busy with other processes' work (this process's estimate)."""
+    return _free()
 
 
 class ThreadBudget:
@@ -92,6 +103,7 @@ class ThreadBudget:
     def __init__(self) -> None:
         torch = sys.modules.get("torch")
         self.cap = torch.get_num_threads() if torch is not None else machine_cores()
+        _free.prime()
         self.current = 0  # threads set on the lane's thread
         self._thread = 0
 
