@@ -107,14 +107,9 @@ class _Call(Generic[T]):
         try:
             if self.cancel_requested.is_set():  # cancelled while queued: never start it
                 raise LaneCancelled()
-            if budget is None:
-                self.result = self.fn(*self.args)
-            else:
+            if budget is not None:
                 budget.start_call()
-                try:
-                    self.result = self.fn(*self.args)
-                finally:  # before the wake: the caller's next call counts lanes anew
-                    budget.end_call()
+            self.result = self.fn(*self.args)
         except BaseException as exc:  # handed to the awaiting task, which re-raises it
             self.error = exc
         finally:
@@ -145,13 +140,16 @@ def _waker(done: anyio.Event) -> Callable[[], None]:
 class Lane:
     """One stream of blocking calls, run in order on the lane's own thread (or inline)."""
 
-    def __init__(self, name: str, mode: ComputeMode = "thread", torch_threads: int = 0) -> None:
+    def __init__(
+        self, name: str, mode: ComputeMode = "thread", torch_threads: int = 0, share: int = 1
+    ) -> None:
         self.name = name
         self.mode = mode
         # torch's intra-op thread count is per OS thread: a fixed count for each lane,
-        # or (0) the free cores' budget, re-read before each call (corun/cores.py).
+        # or (0) the free cores over ``share`` (the lanes that may compute side by
+        # side), re-read before each call (corun/cores.py).
         self.torch_threads = torch_threads
-        self._budget = cores.ThreadBudget() if torch_threads == 0 else None
+        self._budget = cores.ThreadBudget(share) if torch_threads == 0 else None
         self._calls: queue.SimpleQueue[_Call[Any] | None] = queue.SimpleQueue()
         self._thread: threading.Thread | None = None
         self._running: _Call[Any] | None = None  # the call the lane's thread is in
@@ -160,13 +158,9 @@ class Lane:
     async def run(self, fn: Callable[..., T], *args: Any) -> T:
         if self.mode == "inline":
             # Lowest overhead; the event loop is blocked for the call's duration.
-            if self._budget is None:
-                return fn(*args)
-            self._budget.start_call()
-            try:
-                return fn(*args)
-            finally:
-                self._budget.end_call()
+            if self._budget is not None:
+                self._budget.start_call()
+            return fn(*args)
         done = anyio.Event()
         call: _Call[T] = _Call(fn, args, _waker(done))
         self._start()

@@ -4,9 +4,9 @@ torch's OpenMP threads spin at barriers, so a thread team larger than the cores 
 of other processes' work waits at every op for its descheduled member: measured on 2
 cores, an SFT step 3x slower beside one busy process (README, "Sharing the machine").
 A lane with ``loop.lane_threads = 0`` (the default) therefore uses the cores other
-processes leave free, re-read from ``/proc/stat`` at most four times a second, split
-among the lanes computing side by side; on a quiet machine with one lane that is every
-core, as torch's own default.
+processes leave free, re-read from ``/proc/stat`` at most four times a second, divided
+among the run's lanes that may compute side by side; on a quiet machine with one lane
+that is every core, as torch's own default.
 """
 
 from __future__ import annotations
@@ -15,6 +15,10 @@ import os
 import sys
 import threading
 import time
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from corun.config import Config
 
 SAMPLE_INTERVAL_S = 0.25  # how often the free cores are re-read
 HYSTERESIS = 0.6  # cores of others' work past the current estimate before it moves
@@ -94,25 +98,22 @@ def free_cores() -> int:
 
 class ThreadBudget:
     """Torch intra-op threads for one lane whose ``lane_threads`` is 0: the free cores
-    (capped by the process's own setting when the lane was made), split among the
-    lanes in a call at the time this one starts its call."""
+    (capped by the process's own setting when the lane was made), divided by ``share``,
+    the number of the run's lanes that may compute side by side. A fixed share, not the
+    lanes busy at the moment: on a quiet machine the count then does not depend on
+    timing, and neither does float rounding (the fixed version schedule's promise)."""
 
-    busy = 0  # lanes in a call now, process-wide
-    _counting = threading.Lock()
-
-    def __init__(self) -> None:
+    def __init__(self, share: int = 1) -> None:
         torch = sys.modules.get("torch")
         self.cap = torch.get_num_threads() if torch is not None else machine_cores()
+        self.share = max(1, share)
         _free.prime()
         self.current = 0  # threads set on the lane's thread
         self._thread = 0
 
     def start_call(self) -> None:
-        """Before a call on the lane's thread: count it, and set the thread's torch
-        threads to the budget (if torch is in use)."""
-        with ThreadBudget._counting:
-            ThreadBudget.busy += 1
-            share = ThreadBudget.busy
+        """Before a call on the lane's thread: set the thread's torch threads to the
+        budget (if torch is in use)."""
         torch = sys.modules.get("torch")
         if torch is None:
             return
@@ -122,12 +123,14 @@ class ThreadBudget:
             # first use; done first here, so that it cannot undo the count set below.
             torch.get_num_threads()
             self._thread, self.current = thread, 0
-        threads = max(1, min(self.cap, free_cores()) // share)
+        threads = max(1, min(self.cap, free_cores()) // self.share)
         if threads != self.current:
             torch.set_num_threads(threads)
             self.current = threads
 
-    @staticmethod
-    def end_call() -> None:
-        with ThreadBudget._counting:
-            ThreadBudget.busy -= 1
+
+def side_by_side(config: Config) -> int:
+    """How many of a run's lanes may compute at once: the train lane, each rollout
+    worker's above concurrency 1, and the policy endpoint's."""
+    loop = config.loop
+    return 1 + (loop.workers if loop.concurrency > 1 else 0) + int(config.serve.enabled)

@@ -25,7 +25,7 @@ from typing import Any
 
 import anyio
 
-from corun import checkpoint, deadlines, distributed, guest, prerequisites, rundir, timebase
+from corun import checkpoint, cores, deadlines, distributed, guest, prerequisites, rundir, timebase
 from corun.cadence import Cadence
 from corun.checkpointer import Checkpointer
 from corun.clock import Clock, IdleTimes
@@ -106,9 +106,9 @@ class _Run:
         )
         # At concurrency 1 rollout and training share the thread, in order (exactly a
         # hand-written loop); above it, each rollout worker has a lane of its own.
-        threads = loop.lane_threads
-        self.train_lane = Lane("train", loop.compute, threads)
-        lanes = [Lane(f"rollout-{i}", loop.compute, threads) for i in range(loop.workers)]
+        threads, share = loop.lane_threads, cores.side_by_side(config)
+        self.train_lane = Lane("train", loop.compute, threads, share)
+        lanes = [Lane(f"rollout-{i}", loop.compute, threads, share) for i in range(loop.workers)]
         self.rollout_lanes = [self.train_lane] if loop.concurrency == 1 else lanes
         self.reporter = Reporter(config, self.run_dir, self.clock.step if restored else 0)
         self.kept: dict[str, Stateful] = {}
@@ -200,11 +200,9 @@ class _Run:
         if policy is None:
             kind = self.config.trainer.kind
             raise ConfigError(f"`$.serve.enabled`: trainer {kind!r} serves no policy")
-        loop = self.config.loop
-        endpoint = Endpoint(
-            policy, self.config.serve, Lane("serve", loop.compute, loop.lane_threads),
-            self.session.inbox,
-        )  # fmt: skip
+        loop, share = self.config.loop, cores.side_by_side(self.config)
+        lane = Lane("serve", loop.compute, loop.lane_threads, share)
+        endpoint = Endpoint(policy, self.config.serve, lane, self.session.inbox)
         url = await self.background.start(endpoint.run)
         self.teardown.push("endpoint", endpoint.stop)
         self.session.endpoint_url = url

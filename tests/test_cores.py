@@ -4,17 +4,17 @@ from __future__ import annotations
 
 import subprocess
 import sys
-import threading
 import time
 from collections.abc import Iterator
+from pathlib import Path
 
 import anyio
-import anyio.to_thread
 import pytest
 import torch
 
 from corun import cores
 from corun.compute import Lane
+from tests.conftest import make_config
 
 
 def _ticks(samples: list[tuple[int, int]]) -> Iterator[tuple[int, int]]:
@@ -56,42 +56,29 @@ def test_a_busy_neighbour_takes_a_core_off_the_estimate() -> None:
 
 
 @pytest.mark.anyio
-async def test_a_lane_starting_a_call_beside_another_gets_a_share(
+async def test_a_lanes_threads_are_the_free_cores_over_its_share(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     """Threads for a lane left at 0: the free cores, capped by the process's own
-    setting, split among the lanes in a call when this one starts its call."""
+    setting, divided by the lanes that may compute side by side; re-read per call."""
     monkeypatch.setattr(cores, "free_cores", lambda: 4)
     torch.set_num_threads(4)  # the cap each lane reads when it is made
-    first, second = Lane("a"), Lane("b")
-    first_in, second_done = threading.Event(), threading.Event()
-
-    def hold() -> int:
-        first_in.set()
-        second_done.wait(10)
-        return torch.get_num_threads()
-
-    def beside() -> int:
-        try:
-            return torch.get_num_threads()
-        finally:
-            second_done.set()
-
+    alone, one_of_three = Lane("alone"), Lane("worker", share=3)
     try:
         with anyio.fail_after(20):
-            async with anyio.create_task_group() as tasks:
-                alone: list[int] = []
-
-                async def hold_first() -> None:
-                    alone.append(await first.run(hold))
-
-                tasks.start_soon(hold_first)
-                await anyio.to_thread.run_sync(first_in.wait, 10)
-                assert await second.run(beside) == 2
-            assert alone == [4]
-            monkeypatch.setattr(cores, "free_cores", lambda: 1)  # a neighbour took 3
-            assert await first.run(torch.get_num_threads) == 1
-            assert await second.run(torch.get_num_threads) == 1
+            assert await alone.run(torch.get_num_threads) == 4
+            assert await one_of_three.run(torch.get_num_threads) == 1
+            monkeypatch.setattr(cores, "free_cores", lambda: 2)  # a neighbour took 2
+            assert await alone.run(torch.get_num_threads) == 2
+            torch.set_num_threads(1)  # the cap was read when the lane was made
+            assert await Lane("inline", "inline").run(torch.get_num_threads) == 1
     finally:
-        first.close()
-        second.close()
+        alone.close()
+        one_of_three.close()
+
+
+def test_lanes_side_by_side_in_a_run(tmp_path: Path) -> None:
+    sync = make_config(tmp_path, {"kind": "sft"})
+    async_ = make_config(tmp_path, {"kind": "sft"}, loop={"concurrency": 3, "workers": 2})
+    serving = make_config(tmp_path, {"kind": "sft"}, serve={"enabled": True})
+    assert [cores.side_by_side(c) for c in (sync, async_, serving)] == [1, 3, 2]

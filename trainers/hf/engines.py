@@ -24,6 +24,7 @@ import msgspec
 
 from corun import ConfigError, SetupContext
 from corun.compute import Lane
+from corun.cores import side_by_side
 from corun.deadlines import BoundedEngine, deadline
 from corun.engine import Engine
 from trainers.hf.policy import HFPolicy
@@ -87,7 +88,8 @@ async def _start(
         # At concurrency 1 rollouts and updates alternate on the train lane, as in a
         # hand-written loop; above it the engine generates on its own.
         shared = loop.concurrency == 1 and ctx.lane is not None
-        lane = ctx.lane if shared else Lane("engine", loop.compute, loop.lane_threads)
+        share = side_by_side(ctx.config)
+        lane = ctx.lane if shared else Lane("engine", loop.compute, loop.lane_threads, share)
         assert lane is not None
         return TransformersEngine(policy, pad_id, lane, owns_lane=not shared, interrupt=interrupt)
     settings = VLLMConfig(model=str(policy.source), **_fields(options))
