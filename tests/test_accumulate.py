@@ -70,8 +70,10 @@ async def test_windows_equal_the_handwritten_loop(tmp_path: Path) -> None:
     assert trainer.calls.index("sync:1") == trainer.calls.index("train:2") + 1
     events = read_records(tmp_path / "run" / "events.jsonl")
     assert [e["version"] for e in events if e["event"] == "step"] == [0, 0, 1, 1, 1, 2, 2, 2, 3]
-    saved = [e["step"] for e in events if e["event"] == "checkpoint_written"]
-    assert saved == [3, 6, 9]
+    # Snapshots at the window ends; their writes run in the background and may finish
+    # in either order (a write can take longer than the three steps to the next save).
+    assert [e["step"] for e in events if e["event"] == "save"] == [3, 6, 9]
+    assert sorted(e["step"] for e in events if e["event"] == "checkpoint_written") == [3, 6, 9]
     assert trainer.optimizer_steps == 3
 
 
