@@ -159,7 +159,7 @@ def suite_engines(grid: str, scratch: Path, note: Note) -> list[Table]:
     from benchmarks import engines  # transformers and vLLM: imported only for this suite
 
     settings = engines.FULL if grid == "full" else engines.Settings(
-        grid, (1, 8), max_tokens=8, repeats=2 if grid == "quick" else 1, syncs=2, grpo_steps=0,
+        grid, (1, 8), max_tokens=8, repeats=1, syncs=2, grpo_steps=0,
         grpo_skip=1)  # fmt: skip
     kinds = list(engines.ENGINES) if grid == "full" else [engines.BASELINE]
     note(f"engines {', '.join(kinds)}, batches {settings.batches}")

@@ -73,7 +73,7 @@ def suite_time_to_reward(grid: str, scratch: Path, note: Note) -> list[Table]:
     )]  # fmt: skip
 
 
-CTRL_C = {"full": (5, 40), "quick": (2, 5), "tiny": (1, 3)}  # repeats, steps before SIGINT
+CTRL_C = {"full": (5, 40), "quick": (1, 5), "tiny": (1, 3)}  # repeats, steps before SIGINT
 
 
 def _default_sigint() -> None:
@@ -136,7 +136,7 @@ def suite_ctrl_c(grid: str, scratch: Path, note: Note) -> list[Table]:
     )]  # fmt: skip
 
 
-SHARED = {"full": 80, "quick": 30, "tiny": 5}  # steps
+SHARED = {"full": 80, "quick": 20, "tiny": 5}  # steps
 COMPETITORS = {  # what runs beside the measurement: a command, killed after
     "quiet": None,
     "one busy process": "while True: pass",
