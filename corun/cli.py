@@ -15,7 +15,9 @@ Data parallel: with ``run.nproc`` = N > 1, ``corun train`` launches torchrun wit
 ranks (corun/launch.py); under torchrun (``torchrun --nproc-per-node N -m corun train
 ...``) each rank joins the process group first. Only rank 0 writes to the run
 directory; the others keep their events, metrics and trace in a scratch directory
-(``$CORUN_RANK_DIR/rank-<r>`` when set, else a temporary one removed at exit) and read
+(``$CORUN_RANK_DIR/rank-<r>``: the launcher makes that directory and removes it at
+exit, also after a killed rank; under a torchrun of one's own, a temporary one the
+rank removes at exit) and read
 the checkpoint rank 0 resumes from. A rank leaves with ``os._exit`` after its
 teardown: a collective its peers abandoned must not hold the interpreter's exit.
 

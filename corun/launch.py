@@ -25,8 +25,10 @@ from __future__ import annotations
 import logging
 import math
 import os
+import shutil
 import signal
 import sys
+import tempfile
 import threading
 from types import FrameType
 
@@ -42,8 +44,13 @@ def launch(config_path: str, overrides: list[str], config: Config) -> int:
         f"--shutdown-timeout={math.ceil(config.run.hard_deadline_s)}",
         "-m", "corun", "train", config_path, *overrides,
     ]  # fmt: skip
+    # Ranks other than 0 keep their records under this directory (corun/cli.py), made
+    # here and removed on every exit path: also when a rank was killed and left its own.
+    owned = "CORUN_RANK_DIR" not in os.environ
+    ranks_dir = os.environ.get("CORUN_RANK_DIR") or tempfile.mkdtemp(prefix="corun-ranks-")
     # torchrun's default for N ranks on one machine, set here so it does not warn about it.
-    agent = ChildProcess(argv, env={"OMP_NUM_THREADS": "1", **os.environ})
+    env = {"OMP_NUM_THREADS": "1", **os.environ, "CORUN_RANK_DIR": ranks_dir}
+    agent = ChildProcess(argv, env=env)
     received: list[int] = []
 
     def on_signal(signum: int, frame: FrameType | None) -> None:
@@ -66,6 +73,8 @@ def launch(config_path: str, overrides: list[str], config: Config) -> int:
         code = agent.popen.wait()
     finally:
         agent.stop(grace_s=1.0)
+        if owned:
+            shutil.rmtree(ranks_dir, ignore_errors=True)
     return code
 
 

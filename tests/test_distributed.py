@@ -22,6 +22,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -228,6 +229,7 @@ def test_ctrl_c_stops_every_rank_in_order(
 
 @pytest.mark.slow
 def test_a_killed_rank_fails_the_run(start_corun: Callable[..., CorunRun]) -> None:
+    scratch_before = set(Path(tempfile.gettempdir()).glob("corun-rank*"))
     run = _start_two_ranks(start_corun, "asyncio", collective_timeout_s=30)
     pids = _run_processes(run)
     rank1 = next(
@@ -244,6 +246,8 @@ def test_a_killed_rank_fails_the_run(start_corun: Callable[..., CorunRun]) -> No
     assert killed or "corun: error: rank 0: " in run.stderr(), run.stderr()
     assert "Traceback" not in run.stderr(), run.stderr()
     _assert_gone(pids)
+    # The killed rank could not remove its scratch records; the launcher did.
+    assert set(Path(tempfile.gettempdir()).glob("corun-rank*")) <= scratch_before
 
 
 def test_a_kind_that_cannot_shard_is_refused(tmp_path: Path) -> None:
