@@ -63,9 +63,9 @@ CONFIG = "configs/sft.toml"
 TICK_S = 0.001
 SPIKE_MS = 5.0
 TARGET_P99_MS, TARGET_MAX_MS = 5.0, 20.0
-FULL = {"idle_s": 3.0, "retries": 3, "overrides": []}  # sft.toml: 300 steps, eval+save per 100
-QUICK = {"idle_s": 0.5, "retries": 0, "overrides": ["run.steps=20", "loop.eval_interval=10",
-                                      "loop.save_interval=10"]}  # fmt: skip
+FULL: dict[str, Any] = {"idle_s": 3.0, "retries": 3, "overrides": []}  # sft.toml as it is
+QUICK: dict[str, Any] = {"idle_s": 0.5, "retries": 0, "overrides": [
+    "run.steps=20", "loop.eval_interval=10", "loop.save_interval=10"]}  # fmt: skip
 Request = dict[str, Any]
 Variant = tuple[str, str, str]  # (tree, backend, compute)
 Row = tuple[str, str, str, dict[str, Any]]
@@ -145,7 +145,7 @@ def _other_stacks() -> list[tuple[str, list[str]]]:
 
 def _stack(frame: FrameType | None, depth: int = 60) -> list[str]:
     """Innermost first: ``path:line function`` with paths cut to the package."""
-    out = []
+    out: list[str] = []
     while frame is not None and len(out) < depth:
         path = frame.f_code.co_filename
         for marker in ("site-packages/", "/lib/python3", str(ROOT) + "/"):
@@ -181,7 +181,7 @@ async def host(request: Request) -> dict[str, Any]:
         gc.callbacks.remove(on_gc)
     first = next(i for i in range(idle_end, len(ticker.woken)) if ticker.woken[i] > started)
     steps = [r["t"] for r in read_records(run_dir / EVENTS_FILE) if r["event"] == "step"]
-    result = {
+    result: dict[str, Any] = {
         "outcome": outcome.reason,
         "idle": ticker.span(0, idle_end),
         "training": ticker.span(first, len(ticker.lags)),

@@ -87,7 +87,7 @@ def test_no_source_file_exceeds_limit() -> None:
     "command",
     [
         ["ruff", "check", "corun", "trainers", "tests", "benchmarks"],
-        ["mypy"],  # corun/ and trainers/ (pyproject.toml)
+        ["mypy"],  # corun/, trainers/ and benchmarks/ (pyproject.toml)
         ["mypy", "--strict", "-p", "corun"],
     ],
     ids=["ruff", "mypy", "mypy-strict-corun"],
