@@ -88,6 +88,12 @@ def cancel_point() -> None:
         raise LaneCancelled
 
 
+def stop_requested() -> bool:
+    """Whether the current lane call's awaiting task was cancelled (never raises)."""
+    call = getattr(_lane_local, "call", None)
+    return call is not None and call.cancel_requested.is_set()
+
+
 def in_lane_call() -> bool:
     """Whether this thread runs a lane call (so :func:`cancel_point` can stop it)."""
     return getattr(_lane_local, "call", None) is not None

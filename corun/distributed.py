@@ -42,7 +42,7 @@ import msgspec
 import torch
 import torch.distributed as dist
 
-from corun.compute import cancel_point, in_lane_call
+from corun.compute import cancel_point, in_lane_call, stop_requested
 from corun.config import Config
 from corun.errors import ConfigError
 from corun.rng import stable_seed
@@ -61,6 +61,11 @@ _STOP_GRACE_S = 2.0
 
 class CollectiveError(RuntimeError):
     """A collective failed: a rank died, hangs past the timeout, or the group broke."""
+
+
+class PeerStopped(CollectiveError):
+    """A peer left during a collective that cannot be abandoned (a step was applied),
+    and this rank was asked to stop too: Ctrl-C reaching the ranks one after another."""
 
 
 @dataclass(frozen=True)
@@ -249,22 +254,27 @@ def all_reduce_sum(tensor: torch.Tensor, what: str) -> None:
     except (RuntimeError, dist.DistError) as exc:
         if isinstance(exc, CollectiveError):
             raise
-        _stop_grace()
+        _stop_grace(what)
         first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
         raise CollectiveError(_message(what, first)) from None
     finally:
         _local.spent_s = getattr(_local, "spent_s", 0.0) + time.monotonic() - started
 
 
-def _stop_grace() -> None:
+def _stop_grace(what: str) -> None:
     """After a peer vanished, wait briefly for this rank's own stop: on Ctrl-C every rank
     gets the signal, and a peer that stopped first must not make this rank's stop read
-    as an error. Raises the lane's cancellation if the stop arrives in time."""
-    if getattr(_local, "uncancellable", False) or not in_lane_call():
+    as an error. Raises the lane's cancellation if the stop arrives in time, or, where
+    a step was applied and the call must complete, :class:`PeerStopped`."""
+    if not in_lane_call():
         return  # inline compute: the loop sees its stop only after this call returns
+    uncancellable = getattr(_local, "uncancellable", False)
     deadline = time.monotonic() + _STOP_GRACE_S
     while time.monotonic() < deadline:
-        cancel_point()
+        if not uncancellable:
+            cancel_point()
+        elif stop_requested():
+            raise PeerStopped(_message(what, "a peer stopped first"))
         time.sleep(0.01)
 
 
@@ -333,6 +343,9 @@ def mean_metrics(metrics: Mapping[str, float]) -> dict[str, float]:
     if not keys or not world().parallel:
         return dict(metrics)
     values = torch.tensor([float(metrics[k]) for k in keys], dtype=torch.float64)
-    all_reduce_sum(values, "metrics all-reduce")
+    try:
+        all_reduce_sum(values, "metrics all-reduce")
+    except PeerStopped:  # stopping anyway: the step is booked with this rank's own values
+        return dict(metrics)
     values /= world().size
     return {**metrics, **dict(zip(keys, values.tolist(), strict=True))}
