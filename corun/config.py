@@ -90,8 +90,8 @@ class LoopConfig(Section, frozen=True, forbid_unknown_fields=True, kw_only=True)
     # torch intra-op threads for each lane (the train lane and, when concurrency > 1,
     # every rollout worker's); 0: the cores other processes leave free, re-read four
     # times a second (split among lanes that overlap), so a busy neighbour does not stall
-    # torch's thread team. A fixed count makes float rounding independent of the
-    # machine's load (thread compute only; corun/cores.py).
+    # torch's thread team. A fixed count (thread compute) makes float rounding
+    # independent of the machine's load (corun/cores.py).
     lane_threads: Annotated[int, msgspec.Meta(ge=0, le=1024)] = 0
     # Steps between periodic evals / saves; 0 turns them off.
     eval_interval: NonNegativeInt = 0

@@ -6,10 +6,13 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
 import torch
 
+from corun import ConfigError, SetupContext, World
 from tests.conftest import make_config
 from tests.loops import Harness
+from trainers import pg
 from trainers.lm.grpo import GRPOTrainer
 from trainers.lm.policy_gradient import rollout_logprobs
 from trainers.pg import clipped_surrogate, decoupled_surrogate
@@ -103,3 +106,15 @@ def test_first_mini_batch_takes_the_proximal_log_probs_from_its_own_forward(
     two = make_config(tmp_path / "two", trainer_settings, data={"batch_size": 4},
                       loop={"mini_batches": 2})  # fmt: skip
     assert Harness(GRPOTrainer, two, seed=0).trainer.prepare(stale).proximal is not None
+
+
+def test_batch_scoped_advantages_are_refused_under_torchrun_at_setup(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Before any rollout (set-up), not at the first batch: each rank would normalise
+    by its own shard."""
+    monkeypatch.setattr(pg, "world", lambda: World(0, 2))
+    config = make_config(tmp_path, {"kind": "grpo", "d_model": 32, "n_heads": 2,
+                                    "n_layers": 1, "adv_scope": "batch"})  # fmt: skip
+    with pytest.raises(ConfigError, match=r"`\$\.trainer\.adv_scope` = \"batch\""):
+        GRPOTrainer(config).setup(SetupContext(config))

@@ -231,7 +231,8 @@ def to_rollouts(prompts: list[list[int]], generations: list[Generation], pad_id:
     )
 
 
-class HFGRPOTrainer(HFRollouts, GRPOAlgorithm):
+# HFRollouts' async setup runs GRPOAlgorithm's (a plain one) on the train lane.
+class HFGRPOTrainer(HFRollouts, GRPOAlgorithm):  # type: ignore[misc]
     Config = HFGRPOConfig
 
 

@@ -49,9 +49,12 @@ class GRPOAlgorithm(PolicyGradientTrainer[GRPOConfig]):
     """GRPO's own math, for any source of scored batches (prompts, agent episodes):
     each row's advantage against its group of ``samples_per_prompt``."""
 
+    def setup(self, ctx: SetupContext) -> None:
+        check_scope_shardable(self.config.adv_scope, "adv_scope")  # before any rollout
+        super().setup(ctx)
+
     def training_data(self, scored: Scored) -> GRPOBatch:
         cfg, n = self.config, self.config.samples_per_prompt
-        check_scope_shardable(cfg.adv_scope, "adv_scope")
         advantages = group_advantages(scored.rewards, n, cfg.adv_scope, cfg.adv_std_norm)
         return GRPOBatch(scored.rollouts, advantages)
 

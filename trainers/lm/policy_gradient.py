@@ -204,7 +204,7 @@ class PolicyGradientTrainer(Trainer[C]):
         cfg = self.config
         return clipped_policy_loss(
             self.policy, rollouts.select(rows), advantages, cfg,
-            proximal=proximal if proximal is None or proximal == "own" else proximal[rows],
+            proximal=proximal if proximal is None or isinstance(proximal, str) else proximal[rows],
             importance_cap=cfg.importance_cap, reference=self.reference, kl_coef=cfg.kl_coef,
             kl_clamp=cfg.kl_clamp, dual_clip=cfg.dual_clip,
         )  # fmt: skip
