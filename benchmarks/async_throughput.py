@@ -42,7 +42,7 @@ import anyio
 
 import corun
 from benchmarks import real_grpo
-from corun.events import EVENTS_FILE, read_records
+from corun.records.events import EVENTS_FILE, read_records
 
 
 class SleepConfig(corun.TrainerConfig, frozen=True, forbid_unknown_fields=True, kw_only=True):

@@ -29,7 +29,7 @@ from typing import Any
 
 import tomli_w
 
-from corun.events import EVENTS_FILE, METRICS_FILE, read_records
+from corun.records.events import EVENTS_FILE, METRICS_FILE, read_records
 
 ROOT = Path(__file__).resolve().parents[1]
 SMALL = {"task": "sort", "d_model": 64, "n_heads": 2, "n_layers": 2, "eval_size": 16}

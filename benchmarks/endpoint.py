@@ -19,9 +19,9 @@ import anyio
 import httpx
 import torch
 
-from corun.compute import Lane
-from corun.config import ServeConfig
-from corun.serve.api import Sampling
+from corun.base.config import ServeConfig
+from corun.contract.policy import Sampling
+from corun.execution.compute import Lane
 from corun.serve.server import Endpoint
 from trainers.agentic import calculator
 from trainers.agentic.policy import build_agent

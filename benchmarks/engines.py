@@ -60,10 +60,10 @@ import torch
 
 import corun
 from benchmarks.quiet import OtherLoad
-from corun import procs
-from corun.config import to_toml
-from corun.engine import Engine, Sampling
-from corun.events import EVENTS_FILE, METRICS_FILE, read_records
+from corun.base.config import to_toml
+from corun.contract.engine import Engine, Sampling
+from corun.execution import procs
+from corun.records.events import EVENTS_FILE, METRICS_FILE, read_records
 from trainers.hf.engine import TransformersEngine
 from trainers.hf.engines import EngineKind
 from trainers.hf.policy import ChatFormat, HFPolicy, load_policy
@@ -243,7 +243,7 @@ def start_grpo(scratch: Path, steps: int) -> corun.ChildProcess:
     })  # fmt: skip
     (scratch / "grpo.toml").write_text(to_toml(config))
     with open(scratch / "grpo.log", "wb") as log:
-        argv = [sys.executable, "-m", "corun.cli", "train", str(scratch / "grpo.toml")]
+        argv = [sys.executable, "-m", "corun.host.cli", "train", str(scratch / "grpo.toml")]
         return corun.ChildProcess(argv, stdin=subprocess.DEVNULL, stdout=log,
                                   stderr=subprocess.STDOUT)  # fmt: skip
 

@@ -56,7 +56,7 @@ import anyio
 
 import corun
 from benchmarks.quiet import BUSY_CPUS, RETRY_PAUSE_S, OtherLoad
-from corun.events import EVENTS_FILE, TRACE_FILE, read_records
+from corun.records.events import EVENTS_FILE, TRACE_FILE, read_records
 
 ROOT = Path(__file__).resolve().parents[1]
 CONFIG = "configs/sft.toml"

@@ -89,7 +89,7 @@ from benchmarks.overhead_report import (
     print_report,
 )
 from benchmarks.quiet import Guarded, Measure, OtherLoad, Request
-from corun.events import EVENTS_FILE, read_records
+from corun.records.events import EVENTS_FILE, read_records
 from trainers.lm.sft import SFTTrainer
 
 TORCH_THREADS = 2

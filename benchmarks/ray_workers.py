@@ -1,4 +1,4 @@
-"""Ray rollout workers against thread workers (corun/ray_workers.py): the time per
+"""Ray rollout workers against thread workers (corun/scale/ray_workers.py): the time per
 rollout batch on a Ray actor vs on a compute lane in this process (the difference is
 Ray's overhead: the call, the thread hop that awaits it, the batch through the object
 store), and the time to publish weights (``ray.put`` of the state vs the in-process
@@ -25,10 +25,10 @@ import anyio
 import torch
 
 from corun import RolloutContext, SetupContext, config_from_dict, rollout_generator
-from corun.clock import Clock
-from corun.compute import Lane
-from corun.events import EventLog
-from corun.ray_workers import RayWorkers
+from corun.execution.compute import Lane
+from corun.loop.clock import Clock
+from corun.records.events import EventLog
+from corun.scale.ray_workers import RayWorkers
 from trainers.lm.grpo import GRPOTrainer
 
 MODELS = {"tiny": (32, 1, 2), "larger": (256, 4, 4)}  # d_model, n_layers, n_heads

@@ -15,7 +15,7 @@ from itertools import pairwise
 from pathlib import Path
 from typing import Any
 
-from corun.events import EVENTS_FILE, read_records
+from corun.records.events import EVENTS_FILE, read_records
 
 CONFIGS = ("configs/grpo.toml", "configs/grpo_async.toml")
 
@@ -27,7 +27,7 @@ def train(
     """``corun train`` in a fresh process; its median time per step, training time (from
     the end of the baseline eval), and the eval ``metric`` over (step, seconds)."""
     command = [
-        sys.executable, "-m", "corun.cli", "train", config, f"run.dir={run_dir}",
+        sys.executable, "-m", "corun.host.cli", "train", config, f"run.dir={run_dir}",
         f"run.steps={steps}", f"loop.eval_interval={eval_interval}", "log.progress=off",
         *overrides,
     ]  # fmt: skip

@@ -4,7 +4,7 @@ another, each a call into the benchmark module that measures it, written up as
 table (each row's ratio against its baseline, measured side by side in the same run)
 in a run directory (default ``runs/bench-<timestamp>/``).
 
-corun/cli.py dispatches here (corun itself never imports benchmarks); ``python -m
+corun/host/cli.py dispatches here (corun itself never imports benchmarks); ``python -m
 benchmarks.suite ...`` does the same.
 """
 

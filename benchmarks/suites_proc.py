@@ -83,7 +83,7 @@ def _default_sigint() -> None:
 def ctrl_c_latency(run_dir: Path, save: bool, after_steps: int) -> float:
     """A ``corun train configs/sft.toml`` process, SIGINT once it has made
     ``after_steps`` steps; seconds from the signal to its exit."""
-    command = [sys.executable, "-m", "corun.cli", "train", "configs/sft.toml",
+    command = [sys.executable, "-m", "corun.host.cli", "train", "configs/sft.toml",
                f"run.dir={run_dir}", "run.steps=100000", "log.progress=off",
                "loop.eval_interval=0", "loop.save_interval=0",
                f"loop.save_on_interrupt={str(save).lower()}"]  # fmt: skip
@@ -182,6 +182,6 @@ def suite_shared(grid: str, scratch: Path, note: Note) -> list[Table]:
         "the same run on the quiet machine, same bench run",
         ["Beside it: `python -c 'while True: pass'`, or a loop of 256x256 matmuls at torch's "
          "default threads; killed after each measurement. Median step interval. The default "
-         "re-reads the free cores four times a second (corun/cores.py); the fixed row is "
+         "re-reads the free cores four times a second (corun/execution/cores.py); the fixed row is "
          "`loop.lane_threads = 2`."],
     )]  # fmt: skip

@@ -12,25 +12,25 @@ from typing import TYPE_CHECKING, Any
 
 # Where each public name lives. Imported on first use (PEP 562): ``import corun``
 # stays light, so the command's own signal handling is in place before torch loads
-# (corun/entry.py).
+# (corun/host/entry.py).
 _EXPORTS = {
-    "corun.compute": ["Lane", "cancel_point"],
-    "corun.config": ["Config", "TrainerConfig"],
-    "corun.config_file": ["config_from_dict", "load_config"],
-    "corun.data": ["Dataset", "ShuffledBatches", "read_jsonl"],
-    "corun.distributed": ["World", "shared_count", "shared_mean_std", "world"],
-    "corun.embed": ["training"],
-    "corun.episodes": ["Environment", "Episode", "EpisodeInbox", "Step"],
-    "corun.errors": ["CheckpointError", "ConfigError", "DataError", "UsageError"],
-    "corun.loop": ["run"],
-    "corun.procs": ["ChildProcess"],
-    "corun.registry": ["resolve_trainer"],
-    "corun.rng": [
+    "corun.execution.compute": ["Lane", "cancel_point"],
+    "corun.base.config": ["Config", "TrainerConfig"],
+    "corun.contract.config_file": ["config_from_dict", "load_config"],
+    "corun.contract.data": ["Dataset", "ShuffledBatches", "read_jsonl"],
+    "corun.execution.distributed": ["World", "shared_count", "shared_mean_std", "world"],
+    "corun.host.embed": ["training"],
+    "corun.contract.episodes": ["Environment", "Episode", "EpisodeInbox", "Step"],
+    "corun.base.errors": ["CheckpointError", "ConfigError", "DataError", "UsageError"],
+    "corun.loop.template": ["run"],
+    "corun.execution.procs": ["ChildProcess"],
+    "corun.contract.registry": ["resolve_trainer"],
+    "corun.base.rng": [
         "generator", "rollout_generator", "seed_everything", "stable_seed", "update_generator",
     ],
-    "corun.session": ["Session"],
-    "corun.teardown": ["RunControl"],
-    "corun.trainer": [
+    "corun.loop.session": ["Session"],
+    "corun.loop.teardown": ["RunControl"],
+    "corun.contract.trainer": [
         "Batch", "Image", "Metrics", "OptimizerSpec", "Outcome", "Part", "RolloutContext",
         "SetupContext", "Trainer",
     ],
@@ -38,27 +38,20 @@ _EXPORTS = {
 _MODULE_OF = {name: module for module, names in _EXPORTS.items() for name in names}
 
 if TYPE_CHECKING:
-    from corun.compute import Lane, cancel_point
-    from corun.config import Config, TrainerConfig
-    from corun.config_file import config_from_dict, load_config
-    from corun.data import Dataset, ShuffledBatches, read_jsonl
-    from corun.distributed import World, shared_count, shared_mean_std, world
-    from corun.embed import training
-    from corun.episodes import Environment, Episode, EpisodeInbox, Step
-    from corun.errors import CheckpointError, ConfigError, DataError, UsageError
-    from corun.loop import run
-    from corun.procs import ChildProcess
-    from corun.registry import resolve_trainer
-    from corun.rng import (
+    from corun.base.config import Config, TrainerConfig
+    from corun.base.errors import CheckpointError, ConfigError, DataError, UsageError
+    from corun.base.rng import (
         generator,
         rollout_generator,
         seed_everything,
         stable_seed,
         update_generator,
     )
-    from corun.session import Session
-    from corun.teardown import RunControl
-    from corun.trainer import (
+    from corun.contract.config_file import config_from_dict, load_config
+    from corun.contract.data import Dataset, ShuffledBatches, read_jsonl
+    from corun.contract.episodes import Environment, Episode, EpisodeInbox, Step
+    from corun.contract.registry import resolve_trainer
+    from corun.contract.trainer import (
         Batch,
         Image,
         Metrics,
@@ -69,6 +62,13 @@ if TYPE_CHECKING:
         SetupContext,
         Trainer,
     )
+    from corun.execution.compute import Lane, cancel_point
+    from corun.execution.distributed import World, shared_count, shared_mean_std, world
+    from corun.execution.procs import ChildProcess
+    from corun.host.embed import training
+    from corun.loop.session import Session
+    from corun.loop.teardown import RunControl
+    from corun.loop.template import run
 
 __version__ = "0.1.0"
 

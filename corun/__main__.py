@@ -2,6 +2,6 @@
 
 import sys
 
-from corun.entry import main
+from corun.host.entry import main
 
 sys.exit(main())

@@ -19,7 +19,7 @@ import msgspec
 import pytest
 import tomli_w
 
-from corun import checkpoint
+from corun.records import checkpoint
 from tests.fakes import DOCUMENTED_ORDER, TEARDOWN_ORDER
 
 REPO = Path(__file__).resolve().parents[1]
@@ -35,7 +35,7 @@ def _corun_command() -> list[str]:
     script = Path(sys.executable).with_name("corun")
     if script.exists():
         return [str(script)]
-    return [sys.executable, "-m", "corun.cli"]
+    return [sys.executable, "-m", "corun.host.cli"]
 
 
 def _alive(pid: int) -> bool:

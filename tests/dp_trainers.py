@@ -13,7 +13,7 @@ from typing import Any
 import torch
 
 import corun
-from corun.distributed import rank_seed, shard
+from corun.execution.distributed import rank_seed, shard
 from trainers.agentic.rl import AgenticGRPOTrainer, AgenticPPOTrainer
 from trainers.diffusion.flow_rl import ImageGroups
 from trainers.diffusion.grpo import FlowGRPOTrainer

@@ -18,7 +18,7 @@ import anyio.to_thread
 import torch
 
 import corun
-from corun.compute import cancel_point
+from corun.execution.compute import cancel_point
 
 Phase = Literal["", "setup", "rollout", "train", "sync", "eval", "save", "end"]
 

@@ -24,7 +24,7 @@ same array as JSON). The kinds are the real trainers with the fault points added
 
 Actions:
 
-- ``raise``: what a real failure of that part raises — :class:`corun.engine.EngineError`
+- ``raise``: what a real failure of that part raises — :class:`corun.contract.engine.EngineError`
   from an engine, ``OSError(ENOSPC)`` from a checkpoint write (inside the real
   ``torch.save``), :class:`FaultError` elsewhere.
 - ``hang``: block in a thread, ignoring cancellation and cancel points, as a hung C
@@ -60,8 +60,8 @@ from torch import Tensor
 
 import corun
 from corun import Lane
-from corun.engine import Engine, EngineError, EngineWrapper, Generation, Sampling
-from corun.episodes import Environment, Step
+from corun.contract.engine import Engine, EngineError, EngineWrapper, Generation, Sampling
+from corun.contract.episodes import Environment, Step
 from tests.fakes import FakeConfig, FakeTrainer
 from trainers.agentic.calculator import EnvSettings
 from trainers.agentic.rl import AgenticConfig, AgenticGRPOTrainer
@@ -74,7 +74,7 @@ Phase = Literal[
 Action = Literal["raise", "hang", "slow"]
 ENV = "CORUN_FAULTS"
 ENGINE_PHASES = {"engine_start", "generate", "sync", "engine_shutdown"}
-# Phases a deadline bounds (corun/deadlines.py, env.step_timeout_s): a hang there ends.
+# Phases a deadline bounds (corun/loop/deadlines.py, env.step_timeout_s): a hang there ends.
 BOUNDED = {*ENGINE_PHASES, "env"}
 
 

@@ -101,7 +101,7 @@ def corun_many(cwd: Path, *argvs: list[str], timeout: float = 120) -> list[tuple
         "WANDB_MODE": "disabled",
     }
     script = Path(sys.executable).with_name("corun")
-    command = [str(script)] if script.exists() else [sys.executable, "-m", "corun.cli"]
+    command = [str(script)] if script.exists() else [sys.executable, "-m", "corun.host.cli"]
     procs = [
         subprocess.Popen(
             [*command, *argv],

@@ -14,8 +14,8 @@ import anyio
 import torch
 
 import corun
-from corun.events import read_records
-from corun.update import Updater
+from corun.loop.update import Updater
+from corun.records.events import read_records
 
 T = TypeVar("T", bound=corun.Trainer[Any])
 

@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from corun import checkpoint
+from corun.records import checkpoint
 from tests.corun_process import assert_teardown_order
 from tests.storm_procs import (
     REPO,

@@ -17,7 +17,7 @@ from typing import Any
 import msgspec
 import torch
 
-from corun import checkpoint
+from corun.records import checkpoint
 
 REPO = Path(__file__).resolve().parents[1]
 POLL_S = 0.05

@@ -15,7 +15,7 @@ import pytest
 import torch
 
 import corun
-from corun.events import read_records
+from corun.records.events import read_records
 from tests.conftest import make_config
 from tests.fakes import FakeTrainer
 from tests.loops import handwritten_loop, step_records

@@ -21,7 +21,7 @@ from hypothesis import strategies as st
 from trio.testing import MockClock
 
 import corun
-from corun.events import read_records
+from corun.records.events import read_records
 from tests.conftest import make_config
 
 

@@ -14,8 +14,8 @@ import pytest
 import torch
 
 import corun
-from corun.episodes import Environment, Step
-from corun.events import read_records
+from corun.contract.episodes import Environment, Step
+from corun.records.events import read_records
 from tests.conftest import make_config
 from tests.loops import Harness, handwritten_loop, step_records
 from tests.test_resume import assert_state_equal

@@ -12,7 +12,7 @@ from typing import Any
 import anyio
 import pytest
 
-from corun.episodes import Environment, Step
+from corun.contract.episodes import Environment, Step
 from tests.corun_process import (
     CorunRun,
     assert_interrupted,

@@ -9,7 +9,7 @@ from pathlib import Path
 import anyio
 import pytest
 
-from corun.events import read_records
+from corun.records.events import read_records
 from tests.conftest import make_config
 from trainers.lm.grpo import GRPOTrainer
 

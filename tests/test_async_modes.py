@@ -11,7 +11,7 @@ import pytest
 import torch
 
 import corun
-from corun.events import read_records
+from corun.records.events import read_records
 from tests.conftest import make_config
 from trainers.lm.engine import LocalEngine
 from trainers.lm.grpo import GRPOTrainer

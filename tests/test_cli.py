@@ -1,6 +1,6 @@
 """Bad input to ``corun`` → exit status 2, one line naming the place, no traceback.
 
-Config and override errors are checked in-process through ``corun.cli.main`` (fast);
+Config and override errors are checked in-process through ``corun.host.cli.main`` (fast);
 checkpoint damage is checked against a real ``corun train`` subprocess, where any
 stray warning or traceback would show on stderr. A refused run leaves its run
 directory exactly as it was.
@@ -23,7 +23,8 @@ import anyio
 import pytest
 
 import corun
-from corun import checkpoint, cli
+from corun.host import cli
+from corun.records import checkpoint
 from tests.fakes import FakeTrainer
 
 REPO = Path(__file__).resolve().parents[1]
@@ -125,7 +126,7 @@ CONFIG_CASES = [
         ["trainer.kind=no_such_mod:X"],
         ["`$.trainer.kind`", "no_such_mod"],
     ),
-    ("not-a-trainer", "", ["trainer.kind=corun.config:Config"], ["`$.trainer.kind`"]),
+    ("not-a-trainer", "", ["trainer.kind=corun.base.config:Config"], ["`$.trainer.kind`"]),
     (
         "eval-interval-off-window",
         "",
@@ -280,7 +281,7 @@ def corun_subprocess(tmp_path: Path, *args: str) -> subprocess.CompletedProcess[
         "WANDB_MODE": "disabled",
     }
     script = Path(sys.executable).with_name("corun")
-    command = [str(script)] if script.exists() else [sys.executable, "-m", "corun.cli"]
+    command = [str(script)] if script.exists() else [sys.executable, "-m", "corun.host.cli"]
     return subprocess.run(
         [*command, *args],
         cwd=tmp_path,

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 import corun
-from corun.compute import Lane, cancel_point
+from corun.execution.compute import Lane, cancel_point
 from tests.conftest import make_config
 
 pytestmark = pytest.mark.anyio

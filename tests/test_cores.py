@@ -1,4 +1,4 @@
-"""A lane's torch threads follow the cores other processes leave free (corun/cores.py)."""
+"""A lane's torch threads follow the cores other processes leave free (corun/execution/cores.py)."""
 
 from __future__ import annotations
 
@@ -12,8 +12,8 @@ import anyio
 import pytest
 import torch
 
-from corun import cores
-from corun.compute import Lane
+from corun.execution import cores
+from corun.execution.compute import Lane
 from tests.conftest import make_config
 
 

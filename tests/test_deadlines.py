@@ -1,4 +1,4 @@
-"""Bounded weight syncs and engine calls (corun/deadlines.py), in real runs on asyncio
+"""Bounded weight syncs and engine calls (corun/loop/deadlines.py), in real runs on asyncio
 and trio: a sync, an engine start, a generation or an engine shutdown that hangs in a
 thread (ignoring cancellation, as a hung C call does) is cancelled at its deadline,
 the stuck call is abandoned, the run fails with one line naming what overran and the
@@ -15,10 +15,11 @@ import anyio
 import pytest
 
 import corun
-from corun import checkpoint, compute
-from corun.deadlines import BoundedEngine, DeadlineError, deadline
-from corun.engine import EngineError, Sampling
-from corun.events import read_records
+from corun.contract.engine import EngineError, Sampling
+from corun.execution import compute
+from corun.loop.deadlines import BoundedEngine, DeadlineError, deadline
+from corun.records import checkpoint
+from corun.records.events import read_records
 from tests import faults
 from tests.conftest import make_config
 from tests.fakes import TEARDOWN_ORDER

@@ -17,8 +17,8 @@ from PIL import Image
 from torch import Tensor
 
 import corun
-from corun.errors import CheckpointError, ConfigError
-from corun.events import read_records
+from corun.base.errors import CheckpointError, ConfigError
+from corun.records.events import read_records
 from tests.conftest import make_config
 from tests.loops import Harness
 from tests.test_resume import assert_state_equal

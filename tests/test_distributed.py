@@ -34,8 +34,8 @@ import tomli_w
 import torch
 
 import corun
-from corun import checkpoint
-from corun.launch import children
+from corun.records import checkpoint
+from corun.scale.launch import children
 from tests.conftest import make_config
 from tests.corun_process import REPO, CorunRun, assert_teardown_order, start_corun
 from tests.dp_trainers import TwoShardGRPO

@@ -26,7 +26,7 @@ import torch
 
 import corun
 from corun import SetupContext
-from corun.distributed import World
+from corun.execution.distributed import World
 from tests.conftest import make_config
 from tests.dp_trainers import TwoShards
 from tests.test_distributed import _assert_same, _one_process, _tables, _two_ranks

@@ -12,7 +12,7 @@ from typing import Any
 import pytest
 
 import corun
-from corun.distributed import World
+from corun.execution.distributed import World
 from tests.conftest import make_config
 from tests.dp_trainers import TwoShardUnified, TwoShardUnifiedPretrain
 from tests.test_distributed import Kinds

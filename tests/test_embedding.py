@@ -18,8 +18,8 @@ import httpx
 import pytest
 
 import corun
-from corun.checkpoint import list_checkpoints
-from corun.events import read_records
+from corun.records.checkpoint import list_checkpoints
+from corun.records.events import read_records
 from tests.conftest import make_config
 from tests.fakes import TEARDOWN_ORDER
 from tests.test_agentic import REPO, TINY

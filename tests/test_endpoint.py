@@ -16,9 +16,9 @@ import openai
 import pytest
 import torch
 
-from corun.compute import Lane
-from corun.config import ServeConfig
-from corun.episodes import EpisodeInbox
+from corun.base.config import ServeConfig
+from corun.contract.episodes import EpisodeInbox
+from corun.execution.compute import Lane
 from corun.serve.server import Endpoint
 from trainers.agentic import calculator
 from trainers.agentic.policy import build_agent

@@ -14,8 +14,8 @@ import anyio
 import pytest
 
 import corun
-from corun import checkpoint
-from corun.events import read_records
+from corun.records import checkpoint
+from corun.records.events import read_records
 from tests.conftest import make_config
 from tests.fakes import TEARDOWN_ORDER, FakeError, FakeTrainer
 

@@ -24,9 +24,9 @@ import anyio
 import pytest
 
 import corun
-from corun import checkpoint
-from corun.engine import EngineError
-from corun.events import read_records
+from corun.contract.engine import EngineError
+from corun.records import checkpoint
+from corun.records.events import read_records
 from tests import faults
 from tests.conftest import make_config
 from tests.corun_process import (

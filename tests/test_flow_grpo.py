@@ -12,7 +12,7 @@ import pytest
 import torch
 
 import corun
-from corun.events import read_records
+from corun.records.events import read_records
 from tests.conftest import make_config
 from tests.loops import handwritten_loop, is_png, step_records
 from tests.test_resume import assert_state_equal

@@ -28,8 +28,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import corun
-from corun import checkpoint
-from corun.errors import CheckpointError, UsageError
+from corun.base.errors import CheckpointError, UsageError
+from corun.records import checkpoint
 from tests import fuzz_support as fuzz
 from tests.fakes import FakeTrainer
 from tests.fuzz_support import FUZZ, assert_one_line, bounded, count

@@ -1,7 +1,7 @@
 """Fuzzing configs: TOML files (mutated tables, wrong types, unknown keys, huge numbers,
 NaN/inf, deep nesting, damaged bytes) and ``KEY.PATH=VALUE`` overrides.
 
-In process through ``corun.cli.main`` (``validate``: read, override, check, print):
+In process through ``corun.host.cli.main`` (``validate``: read, override, check, print):
 every input gives exit 0 with TOML that reads back the same, or exit 2 with one line
 naming the file and the place. Values that validate are also run (a fake trainer, two
 steps): an extreme number that passes validation must not fail the run later. A few
@@ -25,8 +25,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import corun
-from corun import cli, config
-from corun.errors import UsageError
+from corun.base import config
+from corun.base.errors import UsageError
+from corun.host import cli
 from tests.fakes import FakeConfig, FakeTrainer
 from tests.fuzz_support import FUZZ, assert_one_line, bounded, corun_many, count, tree_hash
 from tests.test_cli import (  # noqa: F401  (autouse: undoes cli.main's signal handlers)

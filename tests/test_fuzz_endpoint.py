@@ -24,7 +24,7 @@ from anyio.from_thread import BlockingPortal, start_blocking_portal
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from corun.compute import Lane
+from corun.execution.compute import Lane
 from corun.serve.app import build_app
 from corun.serve.batching import Batcher
 from corun.serve.capture import Recorder

@@ -1,4 +1,4 @@
-"""corun/guest.py: the process-wide settings a run holds for its host (GIL switch
+"""corun/execution/guest.py: the process-wide settings a run holds for its host (GIL switch
 interval at most 1 ms; collector paused during set-up, then frozen) are held while any
 run is active, undone by the last one, and leave a host's own choices alone."""
 
@@ -12,7 +12,7 @@ from typing import Any, ClassVar
 import pytest
 
 import corun
-from corun import guest
+from corun.execution import guest
 from tests.conftest import make_config
 
 

@@ -18,7 +18,7 @@ from gymnasium import spaces
 from gymnasium.wrappers import TimeLimit
 
 import corun
-from corun.episodes import Step
+from corun.contract.episodes import Step
 from trainers.agentic.gym import GymEnvironment
 from trainers.agentic.runner import Codec, Generated, run_episodes
 

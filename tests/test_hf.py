@@ -18,7 +18,7 @@ import pytest
 import torch
 
 import corun
-from corun.events import read_records
+from corun.records.events import read_records
 from tests.conftest import make_config
 from tests.loops import handwritten_loop, step_records
 from tests.test_cli import assert_usage_error, call_main

@@ -28,9 +28,10 @@ import pytest
 import torch
 
 import corun
-from corun import checkpoint, kept_rollouts
-from corun.compute import cancel_point
-from corun.events import read_records
+from corun.execution.compute import cancel_point
+from corun.loop import kept_rollouts
+from corun.records import checkpoint
+from corun.records.events import read_records
 from tests.fakes import CallLog
 from tests.loops import step_records
 from tests.test_reproducible_async import ASYNC, SMALL

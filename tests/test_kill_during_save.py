@@ -21,7 +21,7 @@ from pathlib import Path
 
 import pytest
 
-from corun import checkpoint
+from corun.records import checkpoint
 from tests.storm_procs import Child, corun_command, events, last_run
 
 pytestmark = pytest.mark.slow

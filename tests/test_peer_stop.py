@@ -10,8 +10,8 @@ import anyio
 import anyio.to_thread
 import pytest
 
-from corun import distributed
-from corun.compute import Lane
+from corun.execution import distributed
+from corun.execution.compute import Lane
 
 
 def _peer_gone(*args: Any, **kwargs: Any) -> None:
@@ -33,7 +33,7 @@ async def test_an_applied_steps_metrics_survive_a_peer_that_stopped_first() -> N
     token = anyio.lowlevel.current_token()
 
     def applied_step() -> dict[str, float]:
-        with distributed.uncancellable():  # as corun/update.py after the optimizer step
+        with distributed.uncancellable():  # as corun/loop/update.py after the optimizer step
             anyio.from_thread.run_sync(failing.set, token=token)
             return distributed.mean_metrics({"train/loss": 2.0, "perf/train_time_s": 0.1})
 

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 import corun
-from corun.events import read_records
+from corun.records.events import read_records
 from tests.conftest import make_config
 from tests.loops import RecordsHooks, handwritten_loop, is_png, lifecycle, step_records
 from tests.test_resume import assert_state_equal

@@ -1,4 +1,4 @@
-"""Rollout workers as Ray actors (corun/ray_workers.py) on a local Ray, 2 actors:
+"""Rollout workers as Ray actors (corun/scale/ray_workers.py) on a local Ray, 2 actors:
 they give the same batches as thread workers, a worker killed mid-rollout has its
 batch redone (or fails the run with one line, by setting), and Ctrl-C leaves no Ray
 process of the run. One Ray cluster serves the module (``rollout.address``), except
@@ -19,11 +19,11 @@ import pytest
 pytest.importorskip("ray")
 
 import corun
-from corun import checkpoint
-from corun.clock import Clock
-from corun.events import read_records
-from corun.ray_cluster import LocalCluster, restore_auth, use_auth
-from corun.ray_workers import RayWorkers
+from corun.loop.clock import Clock
+from corun.records import checkpoint
+from corun.records.events import read_records
+from corun.scale.ray_cluster import LocalCluster, restore_auth, use_auth
+from corun.scale.ray_workers import RayWorkers
 from tests.conftest import make_config
 from tests.corun_process import CorunRun, _alive
 from tests.corun_process import start_corun as start_corun  # the fixture
@@ -172,7 +172,7 @@ def test_worker_lost_fails_the_run_with_one_line(
 
 
 def _session_alive(sid: int) -> list[int]:
-    from corun.procs import _session_members
+    from corun.execution.procs import _session_members
 
     return [pid for pid in [sid, *_session_members(sid)] if _alive(pid)]
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from corun.reporting import Progress
+from corun.records.reporting import Progress
 
 
 def test_plain_progress_shows_headline_metrics_in_order(capsys: pytest.CaptureFixture[str]) -> None:

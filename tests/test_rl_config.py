@@ -1,6 +1,6 @@
 """Bad input to the RL trainers (GRPO, PPO) → exit status 2, one line naming the place.
 
-In-process through ``corun.cli.main``, like tests/test_cli.py: config values the
+In-process through ``corun.host.cli.main``, like tests/test_cli.py: config values the
 trainer's Config refuses, and warm starts (``trainer.init_from``) from something that
 is not a TinyLM policy checkpoint.
 """
@@ -14,7 +14,8 @@ from pathlib import Path
 
 import pytest
 
-from corun import checkpoint, cli
+from corun.host import cli
+from corun.records import checkpoint
 from tests.test_cli import (
     FAKE,
     _restore_process_state,  # noqa: F401  (autouse: undoes cli.main's signal handlers)

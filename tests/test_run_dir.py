@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import tomli_w
 
-from corun import checkpoint
+from corun.records import checkpoint
 from tests.test_cli import assert_usage_error, corun_subprocess, listing
 
 SMALL = {"task": "sort", "d_model": 32, "n_heads": 2, "n_layers": 1, "eval_size": 8}

@@ -11,9 +11,9 @@ import numpy as np
 import pytest
 import torch
 
-from corun.config import Config
-from corun.config_file import config_from_dict, load_config
-from corun.errors import CheckpointError, ConfigError, DataError
+from corun.base.config import Config
+from corun.base.errors import CheckpointError, ConfigError, DataError
+from corun.contract.config_file import config_from_dict, load_config
 from tests.loops import Harness
 from trainers.lm.model import ModelConfig, TinyLM
 from trainers.lm.sft import SFTConfig, SFTTrainer, load_policy

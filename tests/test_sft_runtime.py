@@ -10,7 +10,7 @@ import anyio
 import pytest
 
 import corun
-from corun.events import read_records
+from corun.records.events import read_records
 from tests.conftest import make_config
 from tests.loops import handwritten_loop, step_records
 from tests.test_resume import assert_state_equal
@@ -95,7 +95,7 @@ async def test_sft_learns(tmp_path: Path) -> None:
 def test_bad_data_file_exits_2_naming_the_line(
     tmp_path: Path, capsys: pytest.CaptureFixture[str], line: str, why: str
 ) -> None:
-    from corun.cli import main
+    from corun.host.cli import main
 
     data = tmp_path / "data.jsonl"
     data.write_text('{"prompt": "21>", "answer": "12"}\n' * 16 + line + "\n")

@@ -26,7 +26,7 @@ from typing import Any
 
 import pytest
 
-from corun import checkpoint
+from corun.records import checkpoint
 from tests.corun_process import (
     CorunRun,
     assert_engine_gone,

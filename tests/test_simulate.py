@@ -1,4 +1,4 @@
-"""``corun simulate``: the real loop template on a virtual clock (corun/simulate.py)."""
+"""``corun simulate``: the real loop template on a virtual clock (corun/sim/simulate.py)."""
 
 from __future__ import annotations
 
@@ -9,12 +9,12 @@ from typing import Any
 
 import pytest
 
-from corun import cli
-from corun.clock import Clock
-from corun.config import Config
-from corun.events import read_records
-from corun.simfit import fit
-from corun.simulate import simulate, simulation_config
+from corun.base.config import Config
+from corun.host import cli
+from corun.loop.clock import Clock
+from corun.records.events import read_records
+from corun.sim.simfit import fit
+from corun.sim.simulate import simulate, simulation_config
 
 
 def _config(tmp_path: Path, text: str, *overrides: str, fitted: Any = None) -> Config:
@@ -93,7 +93,7 @@ def test_a_simulation_writes_a_real_runs_records_on_virtual_time(tmp_path: Path)
 def test_the_simulation_runs_the_real_admission_clock(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """No second implementation: the simulation admits through corun.clock.Clock, and
+    """No second implementation: the simulation admits through corun.loop.clock.Clock, and
     changing the clock's rule changes the simulation."""
     calls = []
     admit = Clock.admit

@@ -12,7 +12,7 @@ import anyio
 import pytest
 
 import corun
-from corun.events import read_records
+from corun.records.events import read_records
 from tests.conftest import make_config
 from tests.fakes import TEARDOWN_ORDER
 from tests.loops import RecordsHooks, handwritten_loop, lifecycle, step_records

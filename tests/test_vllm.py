@@ -32,8 +32,8 @@ import torch
 pytest.importorskip("vllm")
 
 import corun
-from corun.engine import Engine, EngineError, Sampling
-from corun.events import read_records
+from corun.contract.engine import Engine, EngineError, Sampling
+from corun.records.events import read_records
 from tests.conftest import make_config
 from tests.corun_process import CorunRun, assert_interrupted, start_corun
 from tests.test_cli import assert_usage_error

@@ -11,7 +11,7 @@ import anyio
 import pytest
 
 import corun
-from corun.events import read_records
+from corun.records.events import read_records
 from tests.conftest import make_config
 from tests.fakes import FakeTrainer
 

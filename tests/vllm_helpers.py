@@ -24,7 +24,7 @@ import pytest
 from torch import Tensor
 
 from corun import SetupContext
-from corun.engine import Engine, EngineWrapper, Generation, Sampling
+from corun.contract.engine import Engine, EngineWrapper, Generation, Sampling
 from trainers.hf.rl import HFGRPOConfig, HFGRPOTrainer
 
 Held = Literal["", "generate", "sync"]

@@ -14,8 +14,8 @@ import torch
 from torch import Tensor, nn
 
 from corun import CheckpointError, SetupContext
-from corun.checkpoint import read
-from corun.prerequisites import checkpoint_for
+from corun.host.prerequisites import checkpoint_for
+from corun.records.checkpoint import read
 
 M = TypeVar("M", bound=nn.Module)
 R = TypeVar("R")

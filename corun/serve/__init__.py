@@ -2,8 +2,8 @@
 weights, on loopback (starlette under hypercorn, so the same app serves on asyncio
 and on trio, from inside the caller's event loop).
 
-- :mod:`.api`: what a trainer implements to be served (:class:`ServedPolicy`), the
-  request and response types, errors
+- :mod:`corun.contract.policy` (in the contract): what a trainer implements to be
+  served (:class:`ServedPolicy`), the request and response types, errors
 - :mod:`.batching`: concurrent requests generated together, on a compute lane
 - :mod:`.capture`: episodes recorded token for token, handed to training
 - :mod:`.app`: the routes

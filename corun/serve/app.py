@@ -24,7 +24,7 @@ from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
-from corun.serve.api import (
+from corun.contract.policy import (
     ChatMessage,
     ChatRequest,
     Completion,

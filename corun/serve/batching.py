@@ -19,8 +19,8 @@ import anyio
 import anyio.abc
 import torch
 
-from corun.compute import Lane
-from corun.serve.api import Completion, Sampling, ServedPolicy, ServeError
+from corun.contract.policy import Completion, Sampling, ServedPolicy, ServeError
+from corun.execution.compute import Lane
 
 
 @dataclass

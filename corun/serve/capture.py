@@ -17,8 +17,8 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from corun.episodes import Episode, EpisodeInbox
-from corun.serve.api import ChatMessage, Completion, ServedPolicy, ServeError
+from corun.contract.episodes import Episode, EpisodeInbox
+from corun.contract.policy import ChatMessage, Completion, ServedPolicy, ServeError
 
 
 @dataclass

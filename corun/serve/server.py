@@ -18,11 +18,11 @@ import anyio.abc
 import sniffio
 from hypercorn.config import Config as HypercornConfig
 
-from corun.compute import Lane
-from corun.config import ServeConfig
-from corun.episodes import EpisodeInbox
-from corun.errors import ConfigError
-from corun.serve.api import ServedPolicy
+from corun.base.config import ServeConfig
+from corun.base.errors import ConfigError
+from corun.contract.episodes import EpisodeInbox
+from corun.contract.policy import ServedPolicy
+from corun.execution.compute import Lane
 from corun.serve.app import build_app
 from corun.serve.batching import Batcher
 from corun.serve.capture import Recorder

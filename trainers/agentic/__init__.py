@@ -1,4 +1,4 @@
-"""Agentic RL: a policy that calls tools over several turns (corun/episodes.py holds the
+"""Agentic RL: a policy that calls tools over several turns (corun/contract/episodes.py holds the
 environment protocol and the episode record).
 
 - :mod:`.calculator`: the built-in tool task (3-digit sums with a calculator tool)

@@ -24,7 +24,7 @@ import anyio
 import msgspec
 
 from corun import stable_seed
-from corun.episodes import Step
+from corun.contract.episodes import Step
 from trainers.lm.vocab import EOS as EOS
 from trainers.lm.vocab import PAD as PAD
 from trainers.lm.vocab import CharVocab

@@ -57,7 +57,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 import anyio
 import numpy as np
 
-from corun.episodes import Step
+from corun.contract.episodes import Step
 
 if TYPE_CHECKING:
     from gymnasium import Env

@@ -13,7 +13,7 @@ import torch
 from torch import Tensor
 
 from corun import Lane, RolloutContext, stable_seed
-from corun.episodes import Environment, Episode
+from corun.contract.episodes import Environment, Episode
 from trainers.agentic import calculator
 from trainers.agentic.calculator import CalculatorEnv, EnvSettings, Problem
 from trainers.agentic.runner import Codec, Generated, TurnFn, run_episodes

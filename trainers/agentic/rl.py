@@ -22,7 +22,7 @@ import torch
 from torch import Tensor
 
 from corun import Batch, ConfigError, RolloutContext, SetupContext, world
-from corun.episodes import Environment, Episode
+from corun.contract.episodes import Environment, Episode
 from trainers.agentic import calculator
 from trainers.agentic.calculator import EnvSettings, Problem, Problems
 from trainers.agentic.policy import (

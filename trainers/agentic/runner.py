@@ -25,7 +25,7 @@ import torch
 from torch import Tensor
 
 from corun import RolloutContext
-from corun.episodes import Environment, Episode, Step
+from corun.contract.episodes import Environment, Episode, Step
 
 
 class Generated(NamedTuple):

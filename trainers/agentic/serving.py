@@ -17,7 +17,7 @@ from typing import Literal
 
 import torch
 
-from corun.serve.api import (
+from corun.contract.policy import (
     ChatMessage,
     Completion,
     FunctionCall,

@@ -24,7 +24,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from corun.errors import CheckpointError
+from corun.base.errors import CheckpointError
 from trainers.diffusion.shapes import IMAGE_SIZE, PROMPT_LEN, VOCAB_SIZE
 from trainers.weights import rebuild, warm_start
 

@@ -8,7 +8,7 @@ from typing import Annotated, Literal
 
 import msgspec
 
-from corun.config import TrainerConfig
+from corun.base.config import TrainerConfig
 from trainers.diffusion.model import FlowModelConfig
 
 PositiveInt = Annotated[int, msgspec.Meta(ge=1)]

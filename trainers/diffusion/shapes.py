@@ -175,7 +175,7 @@ class ShapeBatch:
         return self.tokens.shape[0]
 
     def rows(self, rows: slice) -> ShapeBatch:
-        """Some prompts (a data-parallel rank's share, corun.distributed.shard)."""
+        """Some prompts (a data-parallel rank's share, corun.execution.distributed.shard)."""
         return ShapeBatch(self.images[rows], self.tokens[rows])
 
 

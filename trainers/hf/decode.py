@@ -17,8 +17,8 @@ from typing import Literal
 import torch
 from torch import Tensor
 
-from corun.compute import cancel_point
-from corun.engine import Generation, Sampling
+from corun.contract.engine import Generation, Sampling
+from corun.execution.compute import cancel_point
 from trainers.hf.policy import HFPolicy, left_pad, positions
 from trainers.lm.model import top_p_log_probs
 

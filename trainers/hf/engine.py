@@ -1,6 +1,6 @@
 """The in-process rollout engine of a Hugging Face policy (``engine = "local"``):
 ``transformers`` forward passes with a KV cache (trainers/hf/decode.py) behind the
-async engine interface of corun/engine.py.
+async engine interface of corun/contract/engine.py.
 
 The engine samples from its own copy of the weights, which only a weight update
 changes. Its compute runs on one lane: the train lane at concurrency 1 (rollouts and
@@ -21,8 +21,8 @@ import anyio
 import torch
 from torch import Tensor
 
-from corun.compute import Lane
-from corun.engine import EngineError, Generation, Sampling
+from corun.contract.engine import EngineError, Generation, Sampling
+from corun.execution.compute import Lane
 from trainers.hf import decode
 from trainers.hf.policy import HFPolicy
 

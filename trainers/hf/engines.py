@@ -8,7 +8,7 @@ The vLLM engines need the ``vllm`` extra (``pip install -e '.[vllm]'``); they ar
 imported only when chosen. A start-up that fails or is interrupted ends what it began
 (the engines' ``start``); a started engine's shutdown is registered for teardown.
 
-Every engine runs behind :class:`corun.deadlines.BoundedEngine` with the deadlines of
+Every engine runs behind :class:`corun.loop.deadlines.BoundedEngine` with the deadlines of
 ``[trainer.engine_options]``: ``start_timeout_s`` (build, warm-up and the first weight
 load), ``request_timeout_s`` (each generation and weight update) and
 ``shutdown_timeout_s``. One overrun fails the run with one line and leaves the engine
@@ -23,10 +23,10 @@ from typing import Any, Literal
 import msgspec
 
 from corun import ConfigError, SetupContext
-from corun.compute import Lane
-from corun.cores import side_by_side
-from corun.deadlines import BoundedEngine, deadline
-from corun.engine import Engine
+from corun.contract.engine import Engine
+from corun.execution.compute import Lane
+from corun.execution.cores import side_by_side
+from corun.loop.deadlines import BoundedEngine, deadline
 from trainers.hf.policy import HFPolicy
 from trainers.hf.vllm_engine import EngineOptions, VLLMConfig
 

@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import torch
 
-from corun.compute import Lane
-from corun.engine import Sampling
+from corun.contract.engine import Sampling
+from corun.execution.compute import Lane
 from trainers.hf import decode
 from trainers.hf.policy import ChatFormat, HFPolicy
 from trainers.hf.rewards import Rewards

@@ -8,7 +8,7 @@ import argparse
 import sys
 from pathlib import Path
 
-from corun.errors import UsageError
+from corun.base.errors import UsageError
 from trainers.hf.state import export
 
 

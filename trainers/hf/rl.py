@@ -22,7 +22,7 @@ import torch
 from torch import Tensor
 
 from corun import Batch, ConfigError, Dataset, RolloutContext, SetupContext, world
-from corun.engine import Engine, Generation, Sampling
+from corun.contract.engine import Engine, Generation, Sampling
 from trainers.hf.engines import EngineKind, check_engine, start_engine
 from trainers.hf.evaluation import evaluate
 from trainers.hf.policy import ChatFormat, HFPolicy, left_pad

@@ -14,7 +14,7 @@ import anyio
 import msgspec
 
 from corun import ConfigError, stable_seed
-from corun.engine import Sampling
+from corun.contract.engine import Sampling
 
 
 class EngineOptions(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):

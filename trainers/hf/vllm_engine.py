@@ -1,4 +1,4 @@
-"""vLLM in process as a rollout engine (corun/engine.py's ``Engine``). What it shares with
+"""vLLM in process as a rollout engine (corun/contract/engine.py's ``Engine``). What it shares with
 the server engine (vllm_server.py) — settings, sampling, admission, error mapping — is
 in vllm_common.py.
 
@@ -10,7 +10,7 @@ else is in the batch, and repeated prompts (a GRPO group) draw differently.
 
 Blocking calls run on a :class:`corun.Lane`, the engine's own unless one is passed:
 one dedicated thread, not anyio's thread pool, because ``vllm.LLM`` is not thread-safe
-and torch keeps an OpenMP thread team per OS thread (corun/compute.py). Generation
+and torch keeps an OpenMP thread team per OS thread (corun/execution/compute.py). Generation
 drives vLLM's engine step by step and calls :func:`corun.cancel_point` between decode
 steps, so cancelling a ``generate`` aborts its requests within one step instead of
 waiting for the whole batch. A call from an already-cancelled task starts no vLLM work
@@ -51,7 +51,7 @@ import torch
 from torch import Tensor
 
 from corun import ConfigError, Lane, cancel_point
-from corun.engine import EngineError, Finish, Generation, Sampling
+from corun.contract.engine import EngineError, Finish, Generation, Sampling
 from trainers.hf.vllm_common import (
     OPTIONS,
     DrainingEngine,

@@ -1,4 +1,4 @@
-"""A vLLM OpenAI server in a child process as a rollout engine (corun/engine.py).
+"""A vLLM OpenAI server in a child process as a rollout engine (corun/contract/engine.py).
 
 The server is ``python -m trainers.hf.vllm_worker`` (vLLM's api_server plus a watch that
 kills the server's process group, and removes its working directory, if this process
@@ -44,7 +44,7 @@ import httpx
 from torch import Tensor
 
 from corun import ChildProcess, ConfigError
-from corun.engine import EngineError, Finish, Generation, Sampling
+from corun.contract.engine import EngineError, Finish, Generation, Sampling
 from trainers.hf.vllm_common import (
     OPTIONS,
     DrainingEngine,

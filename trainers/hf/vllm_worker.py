@@ -5,7 +5,7 @@ behaviour log-probs, the weight-reload calls, and the server's launcher
 import this module only where vLLM runs.
 
 Behaviour log-probs. corun records each sampled token's log-prob under the
-temperature-scaled distribution *before* top-p truncation (corun/engine.py). No vLLM
+temperature-scaled distribution *before* top-p truncation (corun/contract/engine.py). No vLLM
 ``logprobs_mode`` reports that (measured against transformers, vLLM 0.32):
 ``raw_logprobs`` ignores the temperature (off by 0.16 at T=0.7), ``processed_logprobs``
 renormalises after top-p (off by 0.1 at top-p 0.9), ``processed_logits`` reports

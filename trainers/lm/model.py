@@ -19,7 +19,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from corun.compute import cancel_point
+from corun.execution.compute import cancel_point
 
 Size = Annotated[int, msgspec.Meta(ge=1)]
 

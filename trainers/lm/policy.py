@@ -10,7 +10,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from corun.errors import CheckpointError
+from corun.base.errors import CheckpointError
 from trainers.lm.engine import Rollouts
 from trainers.lm.model import ModelConfig, TinyLM
 from trainers.lm.tasks import EOS, MAX_LEN, VOCAB_SIZE, Task, decode_responses, encode_prompts

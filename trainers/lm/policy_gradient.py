@@ -22,7 +22,7 @@ from msgspec.structs import asdict
 from torch import Tensor
 
 from corun import Batch, ConfigError, Part, SetupContext, Trainer, shared_count
-from corun.prerequisites import is_config
+from corun.host.prerequisites import is_config
 from trainers.lm.engine import LocalEngine, Rollouts
 from trainers.lm.model import TinyLM
 from trainers.lm.policy import (
@@ -220,7 +220,7 @@ class PolicyGradientTrainer(Trainer[C]):
     def sync_weights(self, version: int) -> None:
         self.replicas.sync(self.rollout_weights(), version)
 
-    # Rollout workers in other processes (corun/ray_workers.py): what a publish sends,
+    # Rollout workers in other processes (corun/scale/ray_workers.py): what a publish sends,
     # and where a worker's trainer puts it (its engine, updated in place).
     def rollout_weights(self) -> dict[str, Tensor]:
         return self.policy.state_dict()
@@ -271,7 +271,7 @@ def clipped_policy_loss(
     logp, entropy, hidden = rollout_logprobs(policy, rollouts, settings.temperature)
     mask = rollouts.response_mask
     # The metrics' token means divide by the shared count too: averaged over the ranks
-    # (corun/update.py), they are the token means of the whole batch.
+    # (corun/loop/update.py), they are the token means of the whole batch.
     tokens = shared_count(mask.sum()).clamp(min=1)
     metrics: dict[str, float] = {}
     if proximal is not None:

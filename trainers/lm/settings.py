@@ -8,7 +8,7 @@ from typing import Annotated, Literal, get_args
 
 import msgspec
 
-from corun.config import TrainerConfig
+from corun.base.config import TrainerConfig
 from trainers.lm.tasks import TASKS
 
 TaskName = Literal["sort", "addition", "reverse"]

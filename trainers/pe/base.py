@@ -11,7 +11,7 @@ import msgspec
 import torch
 
 from corun import CheckpointError, ConfigError, Dataset, Image, SetupContext
-from corun.prerequisites import is_config
+from corun.host.prerequisites import is_config
 from trainers.diffusion.base import FlowTrainer
 from trainers.diffusion.model import build_model, model_from
 from trainers.diffusion.settings import FlowTrainerConfig, NonNegativeFloat

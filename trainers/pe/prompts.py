@@ -114,7 +114,7 @@ class UserBatch:
         return self.targets.shape[0]
 
     def rows(self, rows: slice) -> UserBatch:
-        """Some users (a data-parallel rank's share, corun.distributed.shard)."""
+        """Some users (a data-parallel rank's share, corun.execution.distributed.shard)."""
         return UserBatch(self.prompt_ids[rows], self.targets[rows], self.texts[rows])
 
 

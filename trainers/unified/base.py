@@ -43,7 +43,8 @@ class Tracks(Generic[TextT, ImageT]):
         return text
 
     def rows(self, rows: slice) -> Tracks[TextT, ImageT]:
-        """The same rows of both tracks (a data-parallel rank's share, corun.distributed.shard)."""
+        """The same rows of both tracks (a data-parallel rank's share,
+        corun.execution.distributed.shard)."""
         return Tracks(_rows(self.text, rows), _rows(self.image, rows))
 
 

@@ -21,7 +21,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from corun.errors import CheckpointError
+from corun.base.errors import CheckpointError
 from trainers.diffusion.model import FlowDiT, FlowModelConfig, Size
 from trainers.lm.model import ModelConfig, TinyLM, refuse_padding
 from trainers.lm.tasks import MAX_LEN, VOCAB_SIZE

@@ -26,7 +26,7 @@ import torch
 from torch import Tensor
 
 from corun import Batch, Part, RolloutContext, SetupContext, shared_count
-from corun.prerequisites import is_config
+from corun.host.prerequisites import is_config
 from trainers.diffusion.flow_rl import (
     FlowGRPOSettings,
     ImageGroups,

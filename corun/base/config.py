@@ -1,0 +1,291 @@
+"""Configuration: TOML decoded by msgspec into frozen Structs.
+
+Every section forbids unknown fields, so a typo (`loop.concurency`) is an error that
+names the place instead of a setting silently ignored. Reading a file, applying
+command-line overrides and decoding `[trainer]` with the trainer's own Struct live in
+corun/contract/config_file.py.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import tomllib
+from pathlib import Path
+from typing import Annotated, Any, Literal
+
+import msgspec
+
+from corun.base.errors import ConfigError
+
+PositiveInt = Annotated[int, msgspec.Meta(ge=1)]
+NonNegativeInt = Annotated[int, msgspec.Meta(ge=0)]
+PositiveFloat = Annotated[float, msgspec.Meta(gt=0)]
+# Every RNG takes it: torch's up to 64 bits, numpy's (data shuffling) non-negative only.
+Seed = Annotated[int, msgspec.Meta(ge=0, le=2**63 - 1)]
+# Threads or processes, one each: a larger number is a typo that would hang set-up
+# (and torch.set_num_threads takes a C int).
+Lanes = Annotated[int, msgspec.Meta(ge=1, le=1024)]
+
+
+class Section(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):
+    """Base of every config table: immutable, unknown keys rejected."""
+
+
+class RunConfig(Section, frozen=True, forbid_unknown_fields=True, kw_only=True):
+    name: str = "run"
+    # Where checkpoints, metrics, events and the trace go; default runs/<name>.
+    dir: str = ""
+    seed: Seed = 0
+    # Total optimizer steps; a resumed run continues up to this number.
+    steps: NonNegativeInt = 100
+    backend: Literal["asyncio", "trio"] = "asyncio"
+    # Each teardown step gets this long before it is abandoned and the next one runs.
+    teardown_timeout_s: PositiveFloat = 30.0
+    # After the first SIGINT/SIGTERM the process ends by this deadline, whatever hangs.
+    hard_deadline_s: PositiveFloat = 60.0
+    # Data-parallel processes on this machine: `corun train` launches torchrun with
+    # this many ranks (corun/scale/launch.py); 1 trains in this process.
+    nproc: Lanes = 1
+    # A collective (gradient all-reduce) that takes longer fails the run: a dead or
+    # hung rank ends it within this time instead of hanging it.
+    collective_timeout_s: PositiveFloat = 300.0
+    # A weight sync (the trainer's sync_weights and the Ray publish) that takes longer
+    # fails the run with one line; a call stuck in a lane thread is abandoned
+    # (corun/loop/deadlines.py).
+    sync_timeout_s: PositiveFloat = 600.0
+
+
+class LoopConfig(Section, frozen=True, forbid_unknown_fields=True, kw_only=True):
+    # Rollout batches generated or buffered ahead of the trainer; 1 = synchronous.
+    concurrency: PositiveInt = 1
+    # A batch made with weights more than this many versions old is never trained on.
+    # Unset: the lag that concurrency and sync_interval cause anyway (staleness_bound).
+    max_staleness: NonNegativeInt | None = None
+    # Steps per weight publish to the rollout engine; unset: every update (every
+    # `accumulate` steps).
+    sync_interval: PositiveInt | None = None
+    # Rollout batches (steps) per update: a window of this many batches accumulates
+    # gradients and the update is applied at its end, advancing the policy version by
+    # one. Sync, eval and save intervals and run.steps must then be multiples of it
+    # (weights change only at window ends). max_staleness counts versions.
+    accumulate: PositiveInt = 1
+    # Optimizer steps per update: each on a disjoint slice (mini-batch) of every batch
+    # of the window. The version still advances once per update.
+    mini_batches: PositiveInt = 1
+    # Which weights a rollout uses when concurrency > 1. "free": the latest published
+    # (highest throughput; timing decides the version, so runs are not reproducible).
+    # "fixed": the version a schedule assigns to its data index (a function of the
+    # index, concurrency, accumulate, sync_interval and max_staleness): two runs with
+    # the same seed are bitwise equal whatever the timings, and so is a resumed one.
+    # Needs order = "start"; checkpoints then hold the older weights still scheduled.
+    version_schedule: Literal["free", "fixed"] = "free"
+    # Rollout workers, each on its own compute lane, when concurrency > 1 (at
+    # concurrency 1 rollouts share the train lane: generate and train never overlap).
+    workers: Lanes = 1
+    # Order the trainer takes batches in when concurrency > 1: "start" (the order
+    # their rollouts started; deterministic) or "completion" (as each finishes; the
+    # trainer never waits behind a slow rollout, and an overtaken batch that ends
+    # up over max_staleness is dropped and generated again).
+    order: Literal["start", "completion"] = "start"
+    # torch intra-op threads for each lane (the train lane and, when concurrency > 1,
+    # every rollout worker's); 0: the cores other processes leave free, re-read four
+    # times a second (split among lanes that overlap), so a busy neighbour does not stall
+    # torch's thread team. A fixed count (thread compute) makes float rounding
+    # independent of the machine's load (corun/execution/cores.py).
+    lane_threads: Annotated[int, msgspec.Meta(ge=0, le=1024)] = 0
+    # Steps between periodic evals / saves; 0 turns them off.
+    eval_interval: NonNegativeInt = 0
+    save_interval: NonNegativeInt = 0
+    baseline_eval: bool = True
+    # Save a checkpoint during teardown after an interrupt (skipped on a second signal).
+    save_on_interrupt: bool = True
+    # "thread": blocking compute on worker threads (the loop stays responsive);
+    # "inline": on the event loop, lowest overhead, Ctrl-C waits for the call.
+    compute: Literal["thread", "inline"] = "thread"
+
+    def __post_init__(self) -> None:
+        for name in ("sync_interval", "eval_interval", "save_interval"):
+            if (getattr(self, name) or 0) % self.accumulate:
+                raise ValueError(
+                    f"`{name}` = {getattr(self, name)} is not a multiple of `accumulate` = "
+                    f"{self.accumulate}: weights change only at the end of a window"
+                )
+        lag = self.sync_every // self.accumulate - 1
+        if self.max_staleness is not None and self.max_staleness < lag:
+            # Between two publishes the engine lags up to this many versions; a
+            # tighter bound would admit no rollout and the run would wait forever.
+            raise ValueError(
+                f"`max_staleness` = {self.max_staleness} is below the {lag} versions the "
+                "engine lags between publishes (`sync_interval` / `accumulate` - 1), so no "
+                "rollout could ever be admitted"
+            )
+
+        if self.version_schedule == "fixed" and self.order != "start":
+            raise ValueError(
+                '`version_schedule` = "fixed" needs `order` = "start": in completion order '
+                "timing decides which batch trains when"
+            )
+        if self.workers > self.concurrency:
+            raise ValueError(
+                f"`workers` = {self.workers} exceeds `concurrency` = {self.concurrency}: no more "
+                "than concurrency batches are ever in flight"
+            )
+        if self.save_interval and self.save_interval % self.sync_every:
+            # A checkpoint between two publishes cannot hold the weights the engine is
+            # sampling with; resuming from it would republish newer ones.
+            raise ValueError(
+                f"`save_interval` = {self.save_interval} is not a multiple of `sync_interval` = "
+                f"{self.sync_every}: periodic checkpoints must fall on weight publishes"
+            )
+
+    @property
+    def staleness_bound(self) -> int:
+        """In versions: by default the lag that concurrency and sync_interval cause."""
+        if self.max_staleness is not None:
+            return self.max_staleness
+        ahead = -(-(self.concurrency - 1) // self.accumulate)  # windows the queue spans
+        return ahead + self.sync_every // self.accumulate - 1
+
+    @property
+    def sync_every(self) -> int:
+        return self.sync_interval or self.accumulate
+
+
+class RolloutConfig(Section, frozen=True, forbid_unknown_fields=True, kw_only=True):
+    """``[rollout]``: where the rollout workers (``loop.workers``) run
+    (corun/scale/ray_workers.py)."""
+
+    # "thread": a compute lane per worker in this process. "ray": a Ray actor per
+    # worker, each with the trainer's rollout side (its engine replica); needs the
+    # `ray` extra and a trainer with rollout_weights/load_rollout_weights.
+    backend: Literal["thread", "ray"] = "thread"
+    # An existing Ray cluster ("ray://host:10001", "host:6379", "auto"); empty: corun
+    # starts a local one for the run (in a process group it owns) and stops it after.
+    address: str = ""
+    # CPUs of the local cluster; unset: one per worker (actor_cpus each).
+    num_cpus: PositiveInt | None = None
+    actor_cpus: Annotated[float, msgspec.Meta(ge=0)] = 1.0
+    # A rollout call that takes longer counts as a dead worker (its actor is killed).
+    call_timeout_s: PositiveFloat = 600.0
+    # Cluster start, actor start (model build) and each actor's shutdown.
+    start_timeout_s: PositiveFloat = 120.0
+    # A worker that died mid-rollout: "redo" its batch on a live worker (the run fails
+    # only when none is left), or "fail" the run with one line.
+    on_worker_lost: Literal["redo", "fail"] = "redo"
+
+
+class CheckpointConfig(Section, frozen=True, forbid_unknown_fields=True, kw_only=True):
+    # true: resume from the latest complete checkpoint in run.dir if there is one;
+    # false: start fresh (refused if run.dir already holds checkpoints);
+    # a path: resume from that checkpoint directory.
+    resume: bool | str = True
+    # Keep only the newest N checkpoints; 0 keeps all.
+    keep: NonNegativeInt = 0
+    # Save finished rollout batches the trainer has not trained yet (async mode: the
+    # stream and reorder buffer; after a stop, the batch cut short and a rewound
+    # window's) with each checkpoint, and train them first after resume: no finished
+    # rollout is thrown away and generated again (corun/loop/kept_rollouts.py). Costs
+    # checkpoint size and write time per kept batch; refused under torchrun.
+    keep_rollouts: bool = False
+
+
+class LogConfig(Section, frozen=True, forbid_unknown_fields=True, kw_only=True):
+    wandb: Literal["disabled", "offline", "online"] = "disabled"
+    project: str = "corun"
+    # "auto": a rich progress bar on a terminal, plain lines otherwise.
+    progress: Literal["auto", "rich", "plain", "off"] = "auto"
+
+
+class ServeConfig(Section, frozen=True, forbid_unknown_fields=True, kw_only=True):
+    """``[serve]``: the OpenAI-compatible policy endpoint (corun/serve/), served from the
+    current rollout weights during a run (and by ``corun serve``)."""
+
+    enabled: bool = False
+    # Loopback by default: the endpoint has no TLS, so exposing it is a decision.
+    host: str = "127.0.0.1"
+    port: Annotated[int, msgspec.Meta(ge=0, le=65535)] = 0  # 0: any free port
+    # Required as "Authorization: Bearer <token>" when set; "env:NAME" reads $NAME.
+    token: str = ""
+    # Concurrent requests generated together: up to this many per batch, gathered for
+    # up to batch_wait_ms after the first one arrives.
+    max_batch: PositiveInt = 64
+    batch_wait_ms: Annotated[float, msgspec.Meta(ge=0)] = 2.0
+    # An episode recorded through the endpoint and never finished is dropped after this.
+    episode_ttl_s: PositiveFloat = 600.0
+
+
+class DataConfig(Section, frozen=True, forbid_unknown_fields=True, kw_only=True):
+    # A JSONL file of records; empty means the trainer's built-in generator.
+    path: str = ""
+    batch_size: PositiveInt = 64
+    shuffle: bool = True
+
+
+class TrainerConfig(Section, frozen=True, forbid_unknown_fields=True, kw_only=True):
+    """Base of a trainer's own settings; `kind` names the trainer class."""
+
+    kind: str
+
+
+class Config(Section, frozen=True, forbid_unknown_fields=True, kw_only=True):
+    trainer: TrainerConfig
+    run: RunConfig = RunConfig()
+    loop: LoopConfig = LoopConfig()
+    checkpoint: CheckpointConfig = CheckpointConfig()
+    log: LogConfig = LogConfig()
+    data: DataConfig = DataConfig()
+    serve: ServeConfig = ServeConfig()
+    rollout: RolloutConfig = RolloutConfig()
+
+    @property
+    def run_dir(self) -> Path:
+        return Path(self.run.dir or f"runs/{self.run.name}")
+
+    def digest(self) -> str:
+        """Hash of what defines the run's trajectory (not its length, logging or resume)."""
+        stable = {
+            "trainer": self.trainer,
+            "data": self.data,
+            "loop": self.loop,
+            "seed": self.run.seed,
+        }
+        return hashlib.sha256(msgspec.json.encode(stable)).hexdigest()[:16]
+
+
+# ----------------------------------------------------------------------------- overrides
+
+
+def apply_override(raw: dict[str, Any], override: str) -> None:
+    """Set ``KEY.PATH=VALUE`` in the raw tables; VALUE is read as TOML, else as a string."""
+    key, sep, text = override.partition("=")
+    parts = key.strip().split(".")
+    if not sep or not all(part.strip() for part in parts):
+        raise ConfigError(
+            f"override {override!r}: expected KEY.PATH=VALUE, e.g. loop.concurrency=2"
+        )
+    table = raw
+    for depth, part in enumerate(parts[:-1]):
+        node = table.setdefault(part.strip(), {})
+        if not isinstance(node, dict):
+            where = ".".join(parts[: depth + 1])
+            raise ConfigError(f"override {override!r}: `$.{where}` is a value, not a table")
+        table = node
+    table[parts[-1].strip()] = parse_value(text.strip())
+
+
+def parse_value(text: str) -> Any:
+    try:
+        return tomllib.loads(f"v = {text}")["v"]
+    except (tomllib.TOMLDecodeError, RecursionError):  # deep nesting: not a TOML value either
+        return text
+
+
+def to_toml(config: Config) -> str:
+    """The resolved config as TOML; unset optional values (None) are left out."""
+    return msgspec.toml.encode(_without_none(msgspec.to_builtins(config))).decode()
+
+
+def _without_none(tree: Any) -> Any:
+    if isinstance(tree, dict):
+        return {k: _without_none(v) for k, v in tree.items() if v is not None}
+    return tree

@@ -1,0 +1,327 @@
+"""The trainer contract: the few methods the runtime calls.
+
+A trainer subclasses :class:`Trainer` and overrides only where its algorithm
+differs; every hook has a default, and the runtime skips hooks left at their
+default (no thread hop, no event). Hooks may be plain functions, which the runtime
+runs on a compute lane (a worker thread), or ``async def``, which run on the event
+loop (engines behind HTTP, say) and offload their own compute.
+
+A trainer supplies its math — how a rollout is made (``rollout``) and the loss of a
+part of a batch (``loss``) — and registers its optimizers in ``setup``; the runtime
+owns the update protocol around the loss (corun/loop/update.py): accumulation windows,
+mini-batches, micro-batches, gradient clipping, the optimizer steps and the version
+count. Randomness comes from the generators the runtime hands to each rollout and
+update (corun/base/rng.py), never from the process-wide RNGs.
+
+Failure policy: training hooks (setup, rollout, prepare, loss, sync_weights,
+evaluate*, state_dict) propagate; the run stops and tears down. ``on_train_end``
+runs last on every exit path.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Awaitable, Callable, Mapping, Sequence
+from contextlib import AbstractContextManager, nullcontext
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, ClassVar, Generic, Protocol, TypeVar
+
+import torch
+
+from corun.base.config import Config as CorunConfig
+from corun.base.config import TrainerConfig
+from corun.contract.data import Dataset, IndexData
+from corun.contract.episodes import EpisodeInbox
+from corun.contract.policy import ServedPolicy
+from corun.execution.compute import Lane
+
+
+class Spans(Protocol):
+    """Where a rollout records spans of its own work (the run's trace.json)."""
+
+    def span(self, name: str, track: str, **args: Any) -> AbstractContextManager[None]: ...
+
+
+Metrics = Mapping[str, "float | Image"]  # numbers, and images such as sample grids
+C = TypeVar("C", bound=TrainerConfig)
+T = TypeVar("T")
+DEFAULT_OPTIMIZER = "model"  # its gradient norm is logged as train/grad_norm
+
+
+@dataclass
+class Batch:
+    """One rollout batch. The runtime fills ``index`` (its data index) and, unless the
+    trainer did, ``version`` (the policy version of the weights it was made with)."""
+
+    data: Any
+    metrics: Mapping[str, float] = field(default_factory=dict)
+    version: int = -1
+    index: int = -1
+
+
+@dataclass(frozen=True)
+class RolloutContext:
+    """What the runtime hands to ``rollout`` besides the inputs.
+
+    ``generator`` is seeded by (run seed, ``index``, ``attempt``): draw every random
+    number of the rollout from it. ``version`` is the policy version to generate with
+    under ``loop.version_schedule = "fixed"`` (an older one than the latest, possibly);
+    ``None`` means the latest published weights.
+
+    An ``async def`` rollout (one that waits on environments or servers) runs on the
+    event loop; it hands its blocking compute (generation) to :meth:`compute`, which
+    runs it on the rollout worker's own lane, and may record spans of its own work
+    (an episode's turns and waits) with :meth:`span`.
+    """
+
+    index: int
+    generator: torch.Generator
+    attempt: int = 0
+    version: int | None = None
+    lane: Lane | None = None
+    trace: Spans | None = None
+    track: str = "producer"  # the rollout worker's trace track
+
+    async def compute(self, fn: Callable[..., T], *args: Any) -> T:
+        """``fn(*args)`` on this worker's compute lane (inline when there is none)."""
+        if self.lane is None:
+            return fn(*args)
+        return await self.lane.run(fn, *args)
+
+    def span(self, name: str, track: str, **args: Any) -> AbstractContextManager[None]:
+        """A trace span on ``track`` (a no-op without a trace)."""
+        if self.trace is None:
+            return nullcontext()
+        return self.trace.span(name, track, **args)
+
+
+@dataclass(frozen=True)
+class Part:
+    """Which part of a batch one ``loss`` call covers: micro-batch ``micro`` of
+    ``micros`` within mini-batch ``mini`` of ``minis``.
+
+    Each mini-batch is one optimizer step; its micro-batches are backpropagated one at
+    a time (to bound memory) and their gradients add up, so a micro-batch's loss is
+    its *share* of the mini-batch's loss (e.g. its row-mean × :meth:`share`).
+    ``generator`` (seeded by run seed and data index) is for the update's own draws.
+    """
+
+    mini: int = 0
+    minis: int = 1
+    micro: int = 0
+    micros: int = 1
+    generator: torch.Generator | None = None
+
+    def mini_rows(self, n: int) -> slice:
+        """This mini-batch's rows of a batch of ``n`` rows (near-equal contiguous slices)."""
+        return slice(*_split(0, n, self.mini, self.minis))
+
+    def rows(self, n: int) -> slice:
+        """This micro-batch's rows of a batch of ``n`` rows."""
+        return slice(*self._bounds(n))
+
+    def share(self, n: int) -> float:
+        """This micro-batch's rows over its mini-batch's: the weight of a row-mean loss."""
+        start, stop = self._bounds(n)
+        mini_start, mini_stop = _split(0, n, self.mini, self.minis)
+        return (stop - start) / max(mini_stop - mini_start, 1)
+
+    def _bounds(self, n: int) -> tuple[int, int]:
+        return _split(*_split(0, n, self.mini, self.minis), self.micro, self.micros)
+
+
+def _split(start: int, stop: int, part: int, parts: int) -> tuple[int, int]:
+    """Part ``part`` of ``parts`` near-equal ranges of ``start:stop`` (the first ones one
+    longer, as ``torch.tensor_split``)."""
+    size, extra = divmod(stop - start, parts)
+    first = start + part * size + min(part, extra)
+    return first, first + size + (part < extra)
+
+
+@dataclass(frozen=True)
+class Image:
+    """An image file as a metric value (e.g. an eval's sample grid): metrics.jsonl
+    records its path, wandb (when on) logs the picture."""
+
+    path: Path
+    caption: str = ""
+
+
+@dataclass(frozen=True)
+class Outcome:
+    """How a run ended, handed to ``on_train_end`` and returned by ``run``."""
+
+    reason: str  # "done" | "interrupted" | "error" | "cancelled"
+    step: int
+    error: BaseException | None = None
+    signal: str | None = None
+
+
+@dataclass(frozen=True)
+class OptimizerSpec:
+    """An optimizer the runtime steps: its parameters' gradients clipped to a global
+    norm of ``grad_clip`` first (0: not clipped; the norm is reported either way)."""
+
+    name: str
+    optimizer: torch.optim.Optimizer
+    grad_clip: float = 0.0
+
+    @property
+    def params(self) -> list[torch.nn.Parameter]:
+        return [p for group in self.optimizer.param_groups for p in group["params"]]
+
+
+class Stateful(Protocol):
+    def state_dict(self) -> dict[str, Any]: ...
+
+    def load_state_dict(self, state: dict[str, Any]) -> None: ...
+
+
+TeardownFn = Callable[[], Any]
+
+
+class SetupContext:
+    """Handed to ``Trainer.setup``: where a trainer registers its optimizers, the
+    resources that need teardown, and extra state the checkpoint must hold.
+
+    Teardown runs in the reverse order of registration, each step shielded and under
+    its own deadline. Register the rollout engine before its weight-sync channel, so
+    the channel is closed first.
+    """
+
+    def __init__(
+        self, config: CorunConfig, register: Callable[[str, TeardownFn], None] | None = None
+    ) -> None:
+        self.config = config
+        self.teardowns: list[tuple[str, TeardownFn]] = []
+        self.optimizers: list[OptimizerSpec] = []
+        self.kept: dict[str, Stateful] = {}
+        self._register = register
+        # The train lane, for async hooks with blocking compute (an agentic evaluation
+        # that waits on environments: RolloutContext(..., lane=ctx.lane)); None
+        # outside a run (inline).
+        self.lane: Lane | None = None
+        # Episodes submitted from outside the run (a host's agents, the endpoint's
+        # capture) when the run has a source of them: an embedded session, or
+        # [serve] enabled; a trainer that trains on them takes from it.
+        self.inbox: EpisodeInbox | None = None
+
+    def add_optimizer(
+        self, optimizer: torch.optim.Optimizer, *, grad_clip: float = 0.0,
+        name: str = DEFAULT_OPTIMIZER,
+    ) -> None:  # fmt: skip
+        """An optimizer the runtime zeroes, clips and steps (in registration order); its
+        norm is logged as ``train/grad_norm``, or ``train/<name>/grad_norm`` when named."""
+        if any(spec.name == name for spec in self.optimizers):
+            raise ValueError(f"an optimizer named {name!r} is registered already")
+        self.optimizers.append(OptimizerSpec(name, optimizer, grad_clip))
+
+    def keep_state(self, name: str, component: Stateful) -> None:
+        """Save ``component``'s state with every checkpoint and restore it on resume
+        (runtime-side pieces such as the rollout weight history of a fixed schedule)."""
+        self.kept[name] = component
+
+    def on_teardown(self, name: str, fn: TeardownFn) -> None:
+        """Run ``fn`` (sync or async) at teardown, logged as ``teardown:<name>``.
+
+        Registered at once, so a set-up that fails or is interrupted half-way still
+        releases what it had started.
+        """
+        self.teardowns.append((name, fn))
+        if self._register is not None:
+            self._register(name, fn)
+
+
+class Trainer(Generic[C]):
+    """Base of every trainer. ``Config`` is the trainer's own settings Struct."""
+
+    Config: ClassVar[type[TrainerConfig]] = TrainerConfig
+    # Trains under torchrun (world size > 1): its data batches are sequences the
+    # runtime may slice by rank, and every loss that averages over rows or tokens
+    # divides by ``corun.shared_count`` of its local count (corun/execution/distributed.py).
+    data_parallel: ClassVar[bool] = False
+
+    def __init__(self, config: CorunConfig) -> None:
+        self.run_config = config
+        self.config: C = config.trainer  # type: ignore[assignment]
+
+    # ---- set-up and data
+    def prerequisites(self) -> Sequence[str | Path]:
+        """Configs of runs to train (or reuse, when complete) before this one's set-up."""
+        return ()
+
+    def setup(self, ctx: SetupContext) -> Awaitable[None] | None:
+        """Build models, optimizers (``ctx.add_optimizer``), the rollout engine; register
+        what needs teardown on ``ctx``. The global RNGs are seeded with ``run.seed``."""
+
+    def dataset(self) -> Dataset:
+        """Random-access inputs: ``dataset().batch(i)`` feeds the rollout of index ``i``."""
+        return IndexData()
+
+    # ---- the step
+    def rollout(self, inputs: Any, ctx: RolloutContext) -> Batch | Any:
+        """Generate, score and compute advantages for one batch (a producer task)."""
+        return inputs
+
+    def prepare(self, batch: Batch) -> Any:
+        """Per-batch work under the weights the batch is trained from, before its first
+        loss (PPO's old values, a proximal policy's log-probs); returns the new
+        ``batch.data``."""
+        return batch.data
+
+    def micro_batches(self, batch: Batch) -> int:
+        """Micro-batches per mini-batch of ``batch``: ``loss`` calls backpropagated one
+        at a time into the same gradients (rows, or denoising steps)."""
+        return 1
+
+    def loss(self, batch: Batch, part: Part) -> tuple[torch.Tensor, Mapping[str, float]]:
+        """The loss of ``part`` of ``batch`` (a tensor to backpropagate) and metrics
+        (logged as ``train/<name>``, averaged over the calls of a step)."""
+        raise NotImplementedError(f"{type(self).__name__} defines neither loss nor train_step")
+
+    def train_step(self, batch: Batch) -> Metrics | Awaitable[Metrics]:
+        """Only for a trainer that owns its whole update (no gradients, a test fake):
+        overriding it replaces the runtime's protocol around ``loss``, and then
+        ``loop.mini_batches`` must be 1. The runtime still counts a version per
+        ``loop.accumulate`` steps."""
+        raise NotImplementedError
+
+    def sync_weights(self, version: int) -> Awaitable[None] | None:
+        """Publish the trained weights (policy ``version``) to the rollout engine."""
+
+    def served_policy(self) -> ServedPolicy | None:
+        """The policy behind the endpoint (``[serve] enabled``): tokenization, the reply
+        format and batched generation from the rollout side's newest weights."""
+        return None
+
+    # ---- evaluation
+    def evaluate(self) -> Metrics | Awaitable[Metrics]:
+        return {}
+
+    def evaluate_baseline(self) -> Metrics | Awaitable[Metrics]:
+        return self.evaluate()
+
+    def evaluate_periodic(self, step: int) -> Metrics | Awaitable[Metrics]:
+        return self.evaluate()
+
+    # ---- observability and end
+    def wandb_extra(self) -> dict[str, Any]:
+        """Extra keys for the logging run's config."""
+        return {}
+
+    def on_train_end(self, outcome: Outcome) -> Awaitable[None] | None:
+        """The last hook, called on every exit path."""
+
+    # ---- resume
+    def state_dict(self) -> dict[str, Any]:
+        """Everything needed to resume: tensors, numbers, strings, lists and dicts only."""
+        return {}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        pass
+
+
+def overrides(trainer: Trainer[Any] | type[Trainer[Any]], hook: str) -> bool:
+    """Whether ``trainer`` overrides ``hook`` (the runtime skips default hooks)."""
+    cls = trainer if isinstance(trainer, type) else type(trainer)
+    return getattr(cls, hook) is not getattr(Trainer, hook)

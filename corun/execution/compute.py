@@ -1,0 +1,273 @@
+"""Compute lanes: blocking torch work runs off the event loop, one OS thread per lane.
+
+A lane owns one dedicated thread and runs its calls there in order. One thread, not
+a pool: torch's OpenMP runtime keeps a thread team per OS thread that has run a
+parallel op, and two live teams on a small machine make every op wait on futexes
+(measured: steps ~50% slower on 2 cores once a pool handed a lane's calls to a
+second thread).
+
+Cancellation never abandons a running call (the thread may hold tensors that the
+next call needs): the awaiting task waits for the call to return. To keep Ctrl-C
+fast, blocking code calls :func:`cancel_point` between micro-batches or decode
+steps; once the awaiting task is cancelled, that raises inside the thread. A call
+that completes anyway returns its result, and the cancellation is delivered at the
+task's next await — so an applied optimizer step is never lost from the books.
+
+The one exception is a deadline (corun/loop/deadlines.py, and each teardown step): inside
+:func:`abandoning`, a cancelled call that has not returned ``grace_s`` later is
+*abandoned* — a call stuck in a blocking C call (a hung collective, a wedged driver)
+ignores cancel points. Its thread is left to it (recorded in :func:`abandoned_threads`,
+so ``corun`` ends the process with ``os._exit`` rather than wait for it), the lane's
+other calls move to a fresh thread, and the awaiting task's cancellation goes on.
+"""
+
+from __future__ import annotations
+
+import contextvars
+import inspect
+import queue
+import threading
+from collections.abc import Awaitable, Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from typing import Any, Generic, Literal, TypeVar, cast
+
+import anyio
+import anyio.to_thread
+import sniffio
+
+from corun.execution import cores
+
+T = TypeVar("T")
+ComputeMode = Literal["thread", "inline"]
+
+_lane_local = threading.local()
+ABANDON_GRACE_S = 5.0  # longest wait, past a deadline, for a cancelled call to return
+# Inside `abandoning(grace_s)`: how long a cancelled lane call may take to return.
+_grace: contextvars.ContextVar[float | None] = contextvars.ContextVar("lane_grace", default=None)
+_abandoned: list[threading.Thread] = []  # threads left to a call that never returned
+
+
+@contextmanager
+def abandoning(grace_s: float) -> Iterator[None]:
+    """Lane calls awaited here (in this task) that are cancelled and do not return
+    within ``grace_s`` are abandoned: their awaiting task goes on with its cancellation.
+    Nested, the shorter grace holds (an outer deadline's cancellation gets its own)."""
+    outer = _grace.get()
+    token = _grace.set(grace_s if outer is None else min(outer, grace_s))
+    try:
+        yield
+    finally:
+        _grace.reset(token)
+
+
+def abandoned_threads() -> list[threading.Thread]:
+    """Lane threads still stuck in an abandoned call (the process should not wait
+    for them at exit)."""
+    return [thread for thread in _abandoned if thread.is_alive()]
+
+
+class LaneCancelled(BaseException):
+    """Raised by :func:`cancel_point` in a lane call whose awaiting task was cancelled.
+
+    A BaseException, like the cancellations of asyncio and trio, so that trainer
+    code catching ``Exception`` does not swallow it.
+    """
+
+
+def cancel_point() -> None:
+    """Stop the current lane call here if its awaiting task has been cancelled.
+
+    A no-op outside a threaded lane call (inline mode, plain scripts, tests that
+    call trainer methods directly), so trainer code can call it unconditionally.
+    Call it only where stopping leaves the trainer as it was before the call's
+    effects (before the optimizer step).
+    """
+    call = getattr(_lane_local, "call", None)
+    if call is not None and call.cancel_requested.is_set():
+        raise LaneCancelled
+
+
+def stop_requested() -> bool:
+    """Whether the current lane call's awaiting task was cancelled (never raises)."""
+    call = getattr(_lane_local, "call", None)
+    return call is not None and call.cancel_requested.is_set()
+
+
+def in_lane_call() -> bool:
+    """Whether this thread runs a lane call (so :func:`cancel_point` can stop it)."""
+    return getattr(_lane_local, "call", None) is not None
+
+
+@dataclass
+class _Call(Generic[T]):
+    fn: Callable[..., T]
+    args: tuple[Any, ...]
+    wake: Callable[[], None]
+    cancel_requested: threading.Event = field(default_factory=threading.Event)
+    result: Any = None
+    error: BaseException | None = None
+
+    def run(self, budget: cores.ThreadBudget | None) -> None:
+        _lane_local.call = self
+        try:
+            if self.cancel_requested.is_set():  # cancelled while queued: never start it
+                raise LaneCancelled()
+            if budget is not None:
+                budget.start_call()
+            self.result = self.fn(*self.args)
+        except BaseException as exc:  # handed to the awaiting task, which re-raises it
+            self.error = exc
+        finally:
+            _lane_local.call = None
+            try:
+                self.wake()
+            except RuntimeError:  # the event loop is gone (a hard exit): nobody waits
+                pass
+
+
+def _waker(done: anyio.Event) -> Callable[[], None]:
+    """A thread-safe, non-blocking ``done.set()`` for the running event loop."""
+    if sniffio.current_async_library() == "trio":
+        import trio
+
+        token = trio.lowlevel.current_trio_token()
+        return lambda: token.run_sync_soon(done.set)
+    import asyncio
+
+    loop = asyncio.get_running_loop()
+
+    def wake() -> None:
+        loop.call_soon_threadsafe(done.set)
+
+    return wake
+
+
+class Lane:
+    """One stream of blocking calls, run in order on the lane's own thread (or inline)."""
+
+    def __init__(
+        self, name: str, mode: ComputeMode = "thread", torch_threads: int = 0, share: int = 1
+    ) -> None:
+        self.name = name
+        self.mode = mode
+        # torch's intra-op thread count is per OS thread: a fixed count for each lane,
+        # or (0) the free cores over ``share`` (the lanes that may compute side by
+        # side), re-read before each call (corun/execution/cores.py).
+        self.torch_threads = torch_threads
+        self._budget = cores.ThreadBudget(share) if torch_threads == 0 else None
+        self._calls: queue.SimpleQueue[_Call[Any] | None] = queue.SimpleQueue()
+        self._thread: threading.Thread | None = None
+        self._running: _Call[Any] | None = None  # the call the lane's thread is in
+        self.abandoned = 0  # calls given up on (see `abandoning`)
+
+    async def run(self, fn: Callable[..., T], *args: Any) -> T:
+        if self.mode == "inline":
+            # Lowest overhead; the event loop is blocked for the call's duration.
+            if self._budget is not None:
+                self._budget.start_call()
+            return fn(*args)
+        done = anyio.Event()
+        call: _Call[T] = _Call(fn, args, _waker(done))
+        self._start()
+        self._calls.put(call)
+        try:
+            await done.wait()
+        except anyio.get_cancelled_exc_class():
+            call.cancel_requested.set()
+            grace = _grace.get()
+            with anyio.CancelScope(shield=True) as waiting:
+                if grace is not None:
+                    waiting.deadline = anyio.current_time() + grace
+                await done.wait()
+            if not done.is_set():  # past its grace: a running call is left to its thread,
+                if self._running is call:  # a queued one never starts (cancel requested)
+                    self._abandon()
+                raise
+            if call.error is None:
+                return cast(T, call.result)  # completed: the cancellation comes at the next await
+            if isinstance(call.error, LaneCancelled):
+                raise
+        if call.error is not None:
+            raise call.error
+        return cast(T, call.result)
+
+    def _start(self) -> None:
+        if self._thread is None:
+            self._thread = threading.Thread(
+                target=self._serve, args=(self._calls,), name=f"corun-lane-{self.name}",
+                daemon=True,
+            )  # fmt: skip
+            self._thread.start()
+
+    def _serve(self, calls: queue.SimpleQueue[_Call[Any] | None]) -> None:
+        if self.torch_threads:
+            import torch
+
+            torch.set_num_threads(self.torch_threads)
+        while (call := calls.get()) is not None:
+            if calls is self._calls:
+                self._running = call
+            call.run(self._budget)
+            if self._running is call:
+                self._running = None
+
+    def _abandon(self) -> None:
+        """Leave the thread to its running call (stuck); later calls get a fresh one."""
+        stuck, old = self._thread, self._calls
+        if stuck is None:
+            return
+        self.abandoned += 1
+        _abandoned.append(stuck)
+        self._calls, self._thread, self._running = queue.SimpleQueue(), None, None
+        moved = False
+        while True:  # calls queued behind the stuck one run on the fresh thread
+            try:
+                waiting = old.get_nowait()
+            except queue.Empty:
+                break
+            if waiting is not None:
+                self._calls.put(waiting)
+                moved = True
+        old.put(None)  # should the stuck call ever return, its thread ends
+        if moved:
+            self._start()
+
+    def close(self, timeout: float = 10.0) -> None:
+        """End the lane's thread after the calls already queued, and wait for it.
+
+        Waiting matters at process exit: a thread still unwinding torch's per-thread
+        state while the interpreter shuts down aborts the process ("terminate called
+        without an active exception"). By the time a run closes its lanes every call
+        has returned, so the wait is short; a thread still in a call after ``timeout``
+        is left to it (in :func:`abandoned_threads`).
+        """
+        if self._thread is not None:
+            self._calls.put(None)
+            if self._thread is not threading.current_thread():
+                self._thread.join(timeout)
+                if self._thread.is_alive():  # stuck in a call: not waited on at exit
+                    _abandoned.append(self._thread)
+            self._thread = None
+
+
+async def call_hook(lane: Lane, hook: Callable[..., Any], *args: Any) -> Any:
+    """Await an async hook on the loop; run a plain one on ``lane``."""
+    if inspect.iscoroutinefunction(hook):
+        return await hook(*args)
+    result = await lane.run(hook, *args)
+    if inspect.isawaitable(result):
+        return await _await(result)
+    return result
+
+
+async def _await(awaitable: Awaitable[T]) -> T:
+    return await awaitable
+
+
+async def blocking_io(mode: ComputeMode, fn: Callable[..., T], *args: Any) -> T:
+    """File I/O off the event loop (a worker thread), or inline in inline compute mode,
+    which uses no threads at all (and so also runs under a virtual clock)."""
+    if mode == "inline":
+        return fn(*args)
+    return await anyio.to_thread.run_sync(fn, *args)

@@ -1,0 +1,316 @@
+"""``corun train|serve|validate|bench``: the only place that owns argv, signals and exit codes.
+
+``corun serve`` serves the OpenAI-compatible endpoint for a config's policy — its run's
+latest checkpoint, or its initial weights — without training, and prints
+``corun: serving <url>`` as its first line on stdout. Its records go to
+``<run dir>/serve/``; it stops on a signal like a run does.
+
+Exit status: 0 done, 1 training error, 2 usage or config error (one line, no
+traceback), 130 after SIGINT, 143 after SIGTERM. A training error's last line on
+stderr is ``corun: error: ...``: alone for the runtime's own (an engine's, a deadline's,
+a collective's, a checkpoint write's), after its traceback for a trainer's exception.
+A thread left stuck in a call (corun/loop/deadlines.py) does not keep the process alive.
+
+Data parallel: with ``run.nproc`` = N > 1, ``corun train`` launches torchrun with N
+ranks (corun/scale/launch.py); under torchrun (``torchrun --nproc-per-node N -m corun train
+...``) each rank joins the process group first. Only rank 0 writes to the run
+directory; the others keep their events, metrics and trace in a scratch directory
+(``$CORUN_RANK_DIR/rank-<r>``: the launcher makes that directory and removes it at
+exit, also after a killed rank; under a torchrun of one's own, a temporary one the
+rank removes at exit) and read
+the checkpoint rank 0 resumes from. A rank leaves with ``os._exit`` after its
+teardown: a collective its peers abandoned must not hold the interpreter's exit.
+
+Signals: the first SIGINT/SIGTERM stops the run (teardown runs in full, with a save
+if configured) and arms a hard deadline (``run.hard_deadline_s``) after which the
+process ends whatever hangs; a second skips the optional teardown steps; a third
+ends the process at once. Before the run has started (the config, the trainer's
+imports), a signal ends the process at once, quietly, with 130/143.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import logging
+import os
+import shutil
+import signal
+import sys
+import tempfile
+import threading
+import time
+import traceback
+from pathlib import Path
+from typing import Any, NoReturn
+
+import anyio
+import msgspec
+
+from corun.base.config import Config, to_toml
+from corun.base.errors import UsageError
+from corun.contract.config_file import load_config
+from corun.contract.engine import EngineError
+from corun.contract.registry import resolve_trainer
+from corun.contract.trainer import Outcome, Trainer
+from corun.execution import compute, distributed, procs
+from corun.host.early_signals import exit_on_signals
+from corun.loop.deadlines import DeadlineError
+from corun.loop.session import Session
+from corun.loop.teardown import RunControl
+from corun.loop.template import run
+from corun.records import checkpoint
+from corun.records.events import EVENTS_FILE, EventLog
+from corun.scale import launch
+
+EXIT_OK, EXIT_ERROR, EXIT_USAGE = 0, 1, 2
+_SIGNAL_EXIT = {"SIGINT": 130, "SIGTERM": 143}
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str) -> NoReturn:  # one line, not argparse's usage block
+        message = "\\n".join(message.splitlines())  # an argument with a line break in it
+        print(f"corun: error: {message} (see corun --help)", file=sys.stderr)
+        raise SystemExit(EXIT_USAGE)
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = _Parser(prog="corun", description="One async loop template for RL post-training.")
+    commands = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
+    for name, text in (
+        ("train", "train from a TOML config"),
+        ("serve", "serve the config's policy on the OpenAI-compatible endpoint, no training"),
+        ("validate", "print the resolved config (after overrides) and exit"),
+        ("simulate", "run the loop template on a virtual clock against a latency model"),
+    ):
+        sub = commands.add_parser(name, help=text, description=text)
+        sub.add_argument("config", help="path to a TOML config")
+        sub.add_argument("overrides", nargs="*", metavar="KEY.PATH=VALUE", help="config overrides")
+        if name == "simulate":  # corun/sim/simulate.py
+            sub.add_argument("--fit", metavar="RUN_DIR", help="fit the model to a run's records")
+            sub.add_argument("--out", metavar="DIR", help="default runs/simulate/<run.name>")
+    text = "run the throughput suites; report.md and plots in a run directory"
+    bench = commands.add_parser("bench", help=text, description=text)
+    bench.add_argument("suite", nargs="?", default="all", help="suite[,suite...] (default: all)")
+    bench.add_argument("--quick", action="store_true", help="small grids (about 2 minutes)")
+    bench.add_argument("--out", metavar="DIR", help="default runs/bench-<timestamp>")
+    bench.add_argument("--grid", choices=("full", "quick", "tiny"), help=argparse.SUPPRESS)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    exit_on_signals()  # until the run's own handlers (or launch's) replace these
+    logging.basicConfig(format="corun: %(message)s", level=logging.WARNING)
+    args = _parser().parse_args(argv)
+    if args.command in ("bench", "simulate"):
+        _raise_on_signals()  # long work of their own, whose `finally` blocks must run
+    if args.command == "bench":
+        return _bench(args)
+    try:
+        if args.command == "simulate":
+            from corun.sim.simulate import cli_main
+
+            return cli_main(args.config, args.overrides, args.fit, args.out)
+        config = load_config(args.config, args.overrides)
+        if args.command == "validate":
+            print(to_toml(config), end="")
+            return EXIT_OK
+        serve_only = args.command == "serve"
+        if serve_only:
+            config = _serve_config(config)
+        if config.run.nproc > 1 and not distributed.launched_size() and not serve_only:
+            trainer = resolve_trainer(config.trainer.kind)(config)
+            distributed.check_supported(trainer, config, config.run.nproc)
+            return launch.launch(args.config, args.overrides, config)
+        if distributed.launched_size() > 1:
+            return _rank_main(config, serve_only)
+        trainer = resolve_trainer(config.trainer.kind)(config)
+        return _leave(anyio.run(_train, trainer, config, serve_only, backend=config.run.backend))
+    except UsageError as exc:
+        print(f"corun: error: {exc}", file=sys.stderr)
+        return EXIT_USAGE
+    except KeyboardInterrupt:  # before the run's own handler was installed
+        return _SIGNAL_EXIT["SIGINT"]
+
+
+def _bench(args: argparse.Namespace) -> int:
+    """``corun bench``: benchmarks/suite.py of this source checkout (corun itself never
+    imports benchmarks; an installed corun without the checkout has none)."""
+    root = str(Path(__file__).resolve().parents[1])
+    if not (Path(root) / "benchmarks" / "suite.py").exists():
+        print("corun: error: corun bench needs a source checkout (benchmarks/)", file=sys.stderr)
+        return EXIT_USAGE
+    if root not in sys.path:
+        sys.path.insert(0, root)
+    return int(importlib.import_module("benchmarks.suite").run(args))
+
+
+def _rank_main(config: Config, serve_only: bool) -> int:
+    """One torchrun rank: join the group, train (rank 0 owning the run directory), leave."""
+    world = distributed.init(config.run.collective_timeout_s)
+    scratch: Path | None = None
+    code = EXIT_ERROR
+    try:
+        trainer = resolve_trainer(config.trainer.kind)(config)
+        distributed.check_supported(trainer, config, world.size)
+        if not world.writes:
+            scratch = _scratch_dir(world.rank)
+            config = _rank_config(config, scratch)
+            trainer = resolve_trainer(config.trainer.kind)(config)
+        code = anyio.run(_train, trainer, config, serve_only, backend=config.run.backend)
+    except UsageError as exc:
+        print(f"corun: error: rank {world.rank}: {exc}", file=sys.stderr)
+        code = EXIT_USAGE
+    finally:
+        distributed.finish(clean=code == EXIT_OK)
+        if scratch is not None and not os.environ.get("CORUN_RANK_DIR"):
+            shutil.rmtree(scratch, ignore_errors=True)
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+
+
+def _scratch_dir(rank: int) -> Path:
+    root = os.environ.get("CORUN_RANK_DIR")
+    if not root:
+        return Path(tempfile.mkdtemp(prefix=f"corun-rank{rank}-"))
+    path = Path(root) / f"rank-{rank}"
+    shutil.rmtree(path, ignore_errors=True)
+    return path
+
+
+def _rank_config(config: Config, scratch: Path) -> Config:
+    """A rank other than 0: its records in ``scratch``, resuming from the checkpoint
+    rank 0 resumes from, no progress display and no wandb."""
+    resume = checkpoint.resume_point(config)
+    replace = msgspec.structs.replace
+    return replace(
+        config,
+        run=replace(config.run, dir=str(scratch)),
+        checkpoint=replace(config.checkpoint, resume=str(resume) if resume else False),
+        log=replace(config.log, progress="off", wandb="disabled"),
+    )
+
+
+def _raise_on_signals() -> None:
+    """SIGINT as KeyboardInterrupt, SIGTERM as SystemExit(143) (an ignored one stays so)."""
+    for sig, handler in (
+        (signal.SIGINT, signal.default_int_handler), (signal.SIGTERM, _terminate)
+    ):  # fmt: skip
+        if signal.getsignal(sig) is not signal.SIG_IGN:
+            signal.signal(sig, handler)
+
+
+def _terminate(signum: int, frame: object) -> None:
+    raise SystemExit(_SIGNAL_EXIT["SIGTERM"])
+
+
+def _serve_config(config: Config) -> Config:
+    """``corun serve``'s config: the endpoint on, the run's latest checkpoint (if any)
+    restored, records in ``<run dir>/serve``."""
+    latest = checkpoint.latest(config.run_dir)
+    replace = msgspec.structs.replace
+    return replace(
+        config,
+        run=replace(config.run, dir=str(config.run_dir / "serve")),
+        checkpoint=replace(config.checkpoint, resume=str(latest) if latest else False),
+        serve=replace(config.serve, enabled=True),
+        log=replace(config.log, progress="off"),  # no steps to show
+    )
+
+
+async def _train(trainer: Trainer[Any], config: Config, serve_only: bool = False) -> int:
+    session = Session(serve_only=serve_only)
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(_watch_signals, session.control, config)
+        if serve_only:
+            tg.start_soon(_announce, session)
+        try:
+            outcome = await run(trainer, config, session=session)
+            code = _exit_code(outcome)
+        except UsageError as exc:
+            print(f"corun: error: {exc}", file=sys.stderr)
+            code = EXIT_USAGE
+        except (
+            EngineError, distributed.CollectiveError, checkpoint.WriteError, DeadlineError
+        ) as exc:  # fmt: skip
+            print(f"corun: error: {exc}", file=sys.stderr)
+            code = EXIT_ERROR
+        except Exception as exc:  # the trainer's own: its traceback, then one line
+            traceback.print_exc()
+            print(f"corun: error: {type(exc).__name__}: {_one_line(exc)}", file=sys.stderr)
+            code = EXIT_ERROR
+        finally:
+            tg.cancel_scope.cancel()
+    return code
+
+
+def _one_line(exc: BaseException) -> str:
+    return " ".join(str(exc).split())[:500]
+
+
+def _leave(code: int) -> int:
+    """``code``, or ``os._exit(code)`` when a thread is stuck in a call that was given up
+    on (a deadline's, a teardown step's, an environment's): the interpreter would wait
+    for it at exit forever, or abort in a daemon thread inside torch."""
+    main = threading.main_thread()
+    others = [t for t in threading.enumerate() if t is not main and not t.daemon]
+    until = time.monotonic() + 2.0  # worker threads that are ending: give them a moment
+    for thread in others:
+        thread.join(max(0.0, until - time.monotonic()))
+    if compute.abandoned_threads() or any(t.is_alive() for t in others):
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+    return code
+
+
+async def _announce(session: Session) -> None:
+    await session.wait_ready()
+    if session.endpoint_url:
+        print(f"corun: serving {session.endpoint_url}", flush=True)
+
+
+def _exit_code(outcome: Outcome) -> int:
+    if outcome.reason == "interrupted":
+        return _SIGNAL_EXIT.get(outcome.signal or "SIGINT", 130)
+    return EXIT_OK if outcome.reason == "done" else EXIT_ERROR
+
+
+async def _watch_signals(control: RunControl, config: Config) -> None:
+    with anyio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
+        received = 0
+        async for signum in signals:
+            received += 1
+            name = signal.Signals(signum).name
+            code = _SIGNAL_EXIT[name]
+            if received == 1:
+                print(f"corun: {name}: stopping; again to skip saving", file=sys.stderr)
+                _arm_hard_deadline(config, code)
+                control.stop("interrupted", signal=name)
+            elif received == 2:
+                print(f"corun: {name}: skipping optional teardown steps", file=sys.stderr)
+                control.stop("interrupted", signal=name)
+            else:
+                _hard_exit(config, code, "third signal")
+
+
+def _arm_hard_deadline(config: Config, code: int) -> None:
+    timer = threading.Timer(config.run.hard_deadline_s, _hard_exit, (config, code, "hard deadline"))
+    timer.daemon = True
+    timer.start()
+
+
+def _hard_exit(config: Config, code: int, why: str) -> None:
+    """End the process now: kill child process groups, record it, exit."""
+    print(f"corun: {why}: exiting now", file=sys.stderr)
+    procs.kill_all()
+    if (config.run_dir / EVENTS_FILE).exists():
+        log = EventLog(config.run_dir)
+        log.emit("end", -1, reason="killed", why=why)
+        log.close()
+    os._exit(code)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

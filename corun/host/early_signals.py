@@ -1,0 +1,29 @@
+"""Signals before a run has started: quiet exits with 130/143. Free of imports beyond
+the standard library, so the ``corun`` command (corun/host/entry.py) installs it before
+anything heavy loads."""
+
+from __future__ import annotations
+
+import os
+import signal
+import sys
+
+_SIGNAL_EXIT = {"SIGINT": 130, "SIGTERM": 143}
+
+
+def exit_on_signals() -> None:
+    """Until a run's own handlers replace these, the first SIGINT/SIGTERM ends the
+    process at once, quietly, with 130/143. A signal that is ignored (a background
+    job's SIGINT) stays ignored."""
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        if signal.getsignal(sig) is not signal.SIG_IGN:
+            signal.signal(sig, _exit_before_run)
+
+
+def _exit_before_run(signum: int, frame: object) -> None:
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except Exception:  # inside a write of the main thread's: reentrant call
+            pass
+    os._exit(_SIGNAL_EXIT[signal.Signals(signum).name])

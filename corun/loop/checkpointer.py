@@ -1,0 +1,141 @@
+"""Saving a run: when (the loop asks the cadence), what (a snapshot taken between steps
+on the train lane), and how (written in the background, drained at teardown).
+
+The step loop snapshots the trainer's state and goes on training while the files are
+written. A failed write fails the run: the error is recorded, the run is stopped
+through its ``RunControl``, and the session raises it after teardown. After an
+interrupt, teardown saves once more (``loop.save_on_interrupt``); stopped in the middle
+of a window, that save records the window's start, whose weights are still the live
+ones (the window's gradients are not state).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import anyio
+import anyio.abc
+
+from corun.base.config import Config
+from corun.contract.trainer import Outcome
+from corun.execution import distributed
+from corun.execution.compute import Lane, blocking_io
+from corun.loop.clock import Clock
+from corun.loop.kept_rollouts import KeptRollouts
+from corun.loop.teardown import RunControl
+from corun.records import checkpoint
+from corun.records.events import EventLog, Trace
+
+
+class Checkpointer:
+    def __init__(
+        self, config: Config, run_id: str, clock: Clock, events: EventLog, trace: Trace,
+        control: RunControl, lane: Lane, state: Callable[[], Any], *, resumed: bool,
+    ) -> None:  # fmt: skip
+        self.config = config
+        self.run_dir = config.run_dir
+        self.run_id = run_id
+        self.clock = clock
+        self.events = events
+        self.trace = trace
+        self.control = control
+        self.lane = lane  # where snapshots are taken: between steps, never mid-update
+        self.state = state  # the tensors to save, as live references
+        # Finished, untrained rollout batches: kept with each save (checkpoint.keep_rollouts).
+        self.rollouts = KeptRollouts(config, clock, events)
+        self.last_saved = clock.step if resumed else -1
+        self.error: BaseException | None = None
+        # Under torchrun the state is replicated: rank 0's is the whole state, and only
+        # rank 0 writes it (a checkpoint that loads at any world size).
+        self.writes = distributed.world().writes
+        self._pending = 0
+        self._done = anyio.Event()
+        self._tasks: anyio.abc.TaskGroup | None = None
+
+    def attach(self, tasks: anyio.abc.TaskGroup) -> None:
+        """The task group the writes run in: outside the run's cancel scope, so an
+        interrupt never cuts a write short (the rename makes each one atomic anyway)."""
+        self._tasks = tasks
+
+    async def save(self) -> None:
+        """Snapshot now (the weights keep training), write in the background."""
+        assert self._tasks is not None, "attach() the checkpointer to a task group first"
+        if not self.writes:
+            self.last_saved = self.clock.step
+            return
+        kept = self.rollouts.saved()  # here, on the loop: the producer adds to the ledger
+        with self.trace.span("snapshot", "trainer"):
+            tensors = await self.lane.run(_snapshot, self.state, kept)
+        clock = self.clock
+        state = checkpoint.TrainerState(
+            format=checkpoint.FORMAT_VERSION,
+            step=clock.step,
+            version=clock.version,
+            data_cursor=clock.cursor,
+            trained_ahead=sorted(clock.trained_ahead),
+            run_id=self.run_id,
+            config_digest=self.config.digest(),
+            trainer_kind=self.config.trainer.kind,
+        )
+        self.last_saved = clock.step
+        path = checkpoint.step_dir(self.run_dir, state.step)
+        self.events.emit("save", state.step, path=str(path))
+        if kept is not None:
+            indexes = [entry["index"] for entry in kept]
+            self.events.emit("rollouts_kept", state.step, count=len(kept), indexes=indexes)
+        self._pending += 1
+        self._done = anyio.Event()
+        self._tasks.start_soon(self._write, tensors, state)
+
+    async def save_on_interrupt(self, outcome: Outcome | None) -> None:
+        """The teardown save: after an interrupt, at the last completed window."""
+        saved = max(self.last_saved, 0)
+        if not (
+            outcome is not None
+            and outcome.reason == "interrupted"
+            and self.config.loop.save_on_interrupt
+            and self.clock.step > saved
+        ):
+            return
+        if self.clock.step % self.config.loop.accumulate:
+            self.clock.rewind(self.clock.window_start)
+            if self.clock.step <= saved:
+                return
+        await self.save()
+
+    async def _write(self, tensors: Any, state: checkpoint.TrainerState) -> None:
+        try:
+            with self.trace.span("write", "checkpoint", step=state.step):
+                # File I/O off the loop (or inline, in inline mode).
+                mode, keep = self.config.loop.compute, self.config.checkpoint.keep
+                path = await blocking_io(
+                    mode, checkpoint.write, self.run_dir, state.step, tensors, state
+                )
+                await blocking_io(mode, checkpoint.prune, self.run_dir, keep)
+            self.events.emit("checkpoint_written", state.step, path=str(path))
+        except OSError as exc:  # disk full, I/O error: say what survives
+            failed = await blocking_io(
+                self.config.loop.compute, checkpoint.write_failed, self.run_dir, state.step, exc
+            )
+            self.error = self.error or failed
+            self.control.stop("error")
+        except Exception as exc:  # a failed save fails the run: stop it, surface the error
+            self.error = self.error or exc
+            self.control.stop("error")
+        finally:
+            self._pending -= 1
+            if self._pending == 0:
+                self._done.set()
+
+    async def drain(self) -> None:
+        """Wait for every pending write (a teardown step)."""
+        if self._pending:
+            await self._done.wait()
+
+
+def _snapshot(state: Callable[[], Any], kept: list[dict[str, Any]] | None) -> Any:
+    tensors = checkpoint.snapshot(state())
+    if kept is not None:
+        tensors["rollouts"] = checkpoint.snapshot(kept)
+    return tensors

@@ -1,0 +1,148 @@
+"""Deadlines: a weight sync, an engine's start-up, its calls and its shutdown each end
+within a set time, so a hung engine or a stuck collective fails the run with one line
+instead of holding it forever.
+
+A deadline cancels what it bounds. A lane call stuck in a blocking call (one that
+never reaches a cancel point: a hung C call) is abandoned after a grace of
+``min(deadline, 5 s)`` — its thread is left to it and the lane goes on with a fresh
+one (corun/execution/compute.py) — and the run fails with :class:`DeadlineError`, naming what
+overran and the setting that bounds it::
+
+    corun: error: weight sync to version 3 did not finish within 5 s (run.sync_timeout_s)
+
+Teardown then runs in order as after any error, and ``corun`` ends the process even
+though an abandoned thread is still stuck. In inline compute mode (no threads) a
+blocking call cannot be cut short: deadlines bound awaits only.
+
+The settings: ``run.sync_timeout_s`` (the loop's weight sync: ``sync_weights`` and the
+Ray publish); an engine's own under ``[trainer.engine_options]`` for the hf kinds
+(``start_timeout_s``, ``request_timeout_s``, ``shutdown_timeout_s``: trainers/hf/engines.py,
+through :class:`BoundedEngine`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Mapping, Sequence
+from contextlib import contextmanager
+
+import anyio
+from torch import Tensor
+
+from corun.base.config import Config
+from corun.contract.engine import Engine, EngineError, Generation, Sampling
+from corun.execution.compute import ABANDON_GRACE_S, abandoning
+from corun.records.events import Trace
+
+
+class DeadlineError(RuntimeError):
+    """Something bounded by a deadline did not finish in time; one line (exit 1)."""
+
+
+@contextmanager
+def deadline(what: str, timeout_s: float, setting: str) -> Iterator[None]:
+    """Cancel the block at ``timeout_s`` (abandoning a stuck lane call after its grace)
+    and raise :class:`DeadlineError` for it: "<what> did not finish within ..."."""
+    with (
+        abandoning(min(timeout_s, ABANDON_GRACE_S)),
+        anyio.CancelScope(deadline=anyio.current_time() + timeout_s) as scope,
+    ):
+        yield
+    if scope.cancelled_caught and anyio.current_time() >= scope.deadline:
+        raise DeadlineError(f"{what} did not finish within {timeout_s:g} s ({setting})")
+
+
+@contextmanager
+def sync(trace: Trace, config: Config, version: int) -> Iterator[None]:
+    """The loop's weight sync to ``version``: its trace span, under run.sync_timeout_s."""
+    with (
+        trace.span("sync", "trainer", version=version),
+        deadline(f"weight sync to version {version}", config.run.sync_timeout_s,
+                 "run.sync_timeout_s"),
+    ):  # fmt: skip
+        yield
+
+
+class BoundedEngine:
+    """An :class:`Engine` whose every call has a deadline: ``generate``, ``pause`` and
+    ``update_weights`` ``request_timeout_s``, ``shutdown`` ``shutdown_timeout_s``.
+
+    An engine that overran a deadline, or whose weight update was cut short (its
+    weights are then unknown), is dead: ``health()`` is false and every later call
+    fails at once with :class:`EngineError` — nothing waits on it again. ``inner`` is
+    set once the engine has started (register :meth:`shutdown` for teardown before
+    starting it: a start cut short still shuts down what began).
+    """
+
+    def __init__(
+        self, name: str, where: str, request_timeout_s: float, shutdown_timeout_s: float
+    ) -> None:
+        self.name = name  # "the 'local' engine"
+        self.where = where  # the settings' table: "trainer.engine_options"
+        self.request_timeout_s = request_timeout_s
+        self.shutdown_timeout_s = shutdown_timeout_s
+        self.inner: Engine | None = None
+        self.dead: str | None = None
+        self._stopped = False
+
+    @property
+    def version(self) -> int:
+        return 0 if self.inner is None else self.inner.version
+
+    @property
+    def interrupts(self) -> bool:
+        return self.inner is not None and self.inner.interrupts
+
+    async def generate(
+        self, prompts: Sequence[Sequence[int]], sampling: Sampling, seed: int
+    ) -> list[Generation]:
+        with self._request("generate"):
+            return await self._live().generate(prompts, sampling, seed)
+
+    async def update_weights(self, state: Mapping[str, Tensor], version: int) -> None:
+        done = False
+        try:
+            with self._request(f"weight update to version {version}"):
+                await self._live().update_weights(state, version)
+                done = True
+        finally:
+            if not done and self.dead is None:
+                self.dead = f"its weight update to version {version} did not complete"
+
+    async def pause(self) -> None:
+        with self._request("pause"):
+            await self._live().pause()
+
+    async def resume(self) -> None:
+        await self._live().resume()
+
+    async def health(self) -> bool:
+        if self.dead is not None or self.inner is None:
+            return False
+        with anyio.move_on_after(self.request_timeout_s):
+            return await self.inner.health()
+        return False
+
+    async def shutdown(self) -> None:
+        if self._stopped:
+            return
+        self._stopped = True
+        self.dead = self.dead or "it was shut down"
+        if self.inner is not None:
+            setting = f"{self.where}.shutdown_timeout_s"
+            with deadline(f"{self.name}'s shutdown", self.shutdown_timeout_s, setting):
+                await self.inner.shutdown()
+
+    def _live(self) -> Engine:
+        if self.dead is not None or self.inner is None:
+            raise EngineError(f"{self.name} is unusable: {self.dead or 'not started'}")
+        return self.inner
+
+    @contextmanager
+    def _request(self, what: str) -> Iterator[None]:
+        setting = f"{self.where}.request_timeout_s"
+        try:
+            with deadline(f"{self.name}'s {what}", self.request_timeout_s, setting):
+                yield
+        except DeadlineError as exc:
+            self.dead = str(exc)
+            raise

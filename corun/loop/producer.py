@@ -1,0 +1,183 @@
+"""The rollout side of the template: worker tasks that turn data indexes into
+batches, each started only when the clock admits it, and tagged with the weight
+version it was made with.
+
+Kept apart from loop.py so the train side stays one readable loop. Here live the
+parts that only async mode exercises: several workers on their own lanes, the
+reorder buffer of start-order consumption, and the queue of data indexes whose
+batches were dropped as too stale and must be generated again.
+"""
+
+from __future__ import annotations
+
+import heapq
+import inspect
+from typing import Any
+
+import anyio.abc
+
+from corun.base import timebase
+from corun.base.config import Config
+from corun.base.rng import rollout_generator
+from corun.contract.data import Dataset
+from corun.contract.trainer import Batch, RolloutContext, Trainer
+from corun.execution.compute import Lane
+from corun.loop.clock import Clock, IdleTimes
+from corun.loop.kept_rollouts import KeptRollouts
+from corun.records.events import Trace
+from corun.scale.ray_workers import RayWorkers
+
+
+class Producer:
+    """Rollout workers (tasks, each with its own lane) that claim data indexes in order.
+
+    ``order = "start"`` hands batches on in index order, whatever order the workers
+    finish in (deterministic; the cursor stays a prefix). ``"completion"`` hands each
+    on as soon as it is done (the trainer never waits behind a slow rollout).
+
+    Each rollout gets a :class:`RolloutContext`: its generator is seeded by (run seed,
+    index, attempt), where ``attempt`` counts the index's earlier starts (a dropped
+    batch is redone with fresh draws); under the fixed version schedule it also names
+    the version to generate with.
+
+    Batches kept by the checkpoint a run resumes from (``kept``) are claimed like
+    rollouts, through admission, and handed on without one (corun/loop/kept_rollouts.py).
+    """
+
+    def __init__(
+        self, trainer: Trainer[Any], dataset: Dataset, lanes: list[Lane], clock: Clock,
+        idle: IdleTimes, trace: Trace, config: Config, stop: int,
+        kept: KeptRollouts, remote: RayWorkers | None = None,
+    ) -> None:  # fmt: skip
+        self.trainer = trainer
+        self.dataset = dataset
+        self.lanes = lanes
+        self.clock = clock
+        self.idle = idle
+        self.trace = trace
+        self.order = config.loop.order
+        self.seed = config.run.seed
+        self.fixed_schedule = config.loop.version_schedule == "fixed"
+        self.stop = stop  # one past the last data index of the run
+        self.remote = remote  # Ray actors run the rollouts, one per worker, not the lanes
+        # An async rollout (an engine behind I/O) runs on the loop, with no thread hop.
+        self.rollout_is_async = inspect.iscoroutinefunction(trainer.rollout)
+        self._next_new = clock.cursor
+        self._requeued: list[int] = []  # heap: indexes to generate again, lowest first
+        self._unsent: list[int] = []  # heap: claimed indexes not yet handed on
+        self._finished: dict[int, Batch] = {}  # done, waiting for their turn (start order)
+        self._attempts: dict[int, int] = {}  # starts so far, of indexes started more than once
+        self.kept = kept
+        self._attempts.update(self.kept.attempts())
+        # Kept batches that go first (completion order), in the order they had finished.
+        self._first = self.kept.first()
+        self._skip = set(self._first)  # claimed already: never a new index
+        self._send_lock = anyio.Lock()
+        self._work_added = anyio.Event()
+
+    async def run(self, send: anyio.abc.ObjectSendStream[Batch]) -> None:
+        """Produce batches until cancelled (the loop stops it once the budget is trained)."""
+        async with send, anyio.create_task_group() as workers:
+            for i, lane in enumerate(self.lanes):
+                track = "producer" if len(self.lanes) == 1 else f"producer-{i}"
+                workers.start_soon(self._work, i, lane, track, send)
+
+    def requeue(self, index: int) -> None:
+        """Generate ``index`` again: its batch was dropped."""
+        self._attempts[index] = self._attempts.get(index, 0) + 1
+        self.kept.dropped(index)
+        heapq.heappush(self._requeued, index)
+        self._work_added.set()
+        self._work_added = anyio.Event()
+
+    async def _work(
+        self, worker: int, lane: Lane, track: str, send: anyio.abc.ObjectSendStream[Batch]
+    ) -> None:
+        while True:
+            index, slot = await self._claim()
+            attempt = self._attempts.get(index, 0)
+            batch = self.kept.take(index)  # kept by the checkpoint resumed from: no rollout
+            if batch is None:
+                batch = await self._rollout(worker, lane, track, index, slot, attempt)
+            self.kept.finished(batch, attempt)
+            self._finished[index] = batch
+            async with self._send_lock:
+                for ready in self._ready():
+                    await send.send(ready)
+
+    async def _rollout(
+        self, worker: int, lane: Lane, track: str, index: int, slot: int, attempt: int
+    ) -> Batch:
+        started = timebase.monotonic()
+        self.idle.rollouts_started += 1
+        scheduled = self.clock.scheduled_version(slot) if self.fixed_schedule else None
+        ctx = RolloutContext(
+            index, rollout_generator(self.seed, index, attempt), attempt, scheduled,
+            lane=lane, trace=self.trace, track=track,
+        )  # fmt: skip
+        version = self.clock.published if scheduled is None else scheduled
+        with self.trace.span("rollout", track, index=index):
+            if self.remote is not None:
+                inputs = self.dataset.batch(index)
+                result = await self.remote.rollout(worker, inputs, ctx, version)
+            elif self.rollout_is_async:
+                result = await self._rollout_at(ctx)
+            else:
+                result = await lane.run(self._rollout_at, ctx)
+        batch = result if isinstance(result, Batch) else Batch(result)
+        if batch.version < 0:  # the trainer did not say which weights it used
+            batch.version = version
+        batch.index = index
+        batch.metrics = {**batch.metrics, "perf/rollout_time_s": timebase.monotonic() - started}
+        return batch
+
+    async def _claim(self) -> tuple[int, int]:
+        """The next data index to generate and its admission slot, once the clock
+        admits a rollout for it.
+
+        Admission comes first and the claim right after it (no await between), so
+        indexes are claimed in slot order. With nothing left to claim the worker waits:
+        a dropped batch may still put its index back.
+        """
+        while True:
+            waiting = timebase.monotonic()
+            while not (self._first or self._requeued) and self._upcoming() >= self.stop:
+                await self._work_added.wait()
+            slot = await self.clock.admit()
+            self.idle.generator_s += timebase.monotonic() - waiting
+            if self._first:
+                index = self._first.pop(0)
+            elif self._requeued:
+                index = heapq.heappop(self._requeued)
+            elif (index := self._upcoming()) < self.stop:
+                self._next_new = index + 1
+            else:  # another worker took the last one while this one waited
+                self.clock.release()
+                continue
+            heapq.heappush(self._unsent, index)
+            return index, slot
+
+    def _upcoming(self) -> int:
+        """The next never-claimed index, past those a resumed run trained already."""
+        index = self._next_new
+        while index in self.clock.trained_ahead or index in self._skip:
+            index += 1
+        return index
+
+    def _ready(self) -> list[Batch]:
+        """Finished batches that may be handed on now, in order."""
+        ready = []
+        while self._unsent:
+            index = self._unsent[0] if self.order == "start" else self._first_finished()
+            if index not in self._finished:
+                break
+            self._unsent.remove(index)
+            heapq.heapify(self._unsent)
+            ready.append(self._finished.pop(index))
+        return ready
+
+    def _first_finished(self) -> int:
+        return next(iter(self._finished), -1)
+
+    def _rollout_at(self, ctx: RolloutContext) -> Any:
+        return self.trainer.rollout(self.dataset.batch(ctx.index), ctx)

@@ -1,0 +1,149 @@
+"""The update protocol: from a trainer's ``loss`` to applied optimizer steps.
+
+One owner for what every gradient trainer would otherwise write again:
+
+- a **window** of ``loop.accumulate`` rollout batches makes one update; each batch's
+  gradients are scaled by 1/window and add up; the optimizers step at the window's end;
+- a window's update is ``loop.mini_batches`` optimizer steps, step ``j`` on mini-batch
+  ``j`` of every batch of the window (PPO-style epochs over disjoint slices);
+- a mini-batch may be split into the trainer's ``micro_batches(batch)`` pieces,
+  backpropagated one at a time into the same gradients (memory), with cancel points
+  between them;
+- before each step every registered optimizer's gradients are clipped to its
+  ``grad_clip`` (global norm);
+- under torchrun (world size > 1) each rank backpropagates its shard of the batch and
+  the gradients are averaged over the ranks before clipping (DDP's semantics, one
+  all-reduce per step; corun/execution/distributed.py), and the step's metrics are averaged
+  over the ranks, so every rank applies the same update and logs the same values.
+
+Work happens as early as the weights allow: mini-batch 0 of a batch is backpropagated
+when the batch arrives (its weights are the window's start), the window's other
+mini-batches after the step before them. So without mini-batches nothing waits for
+the window's end but the step itself. The **policy version** counts updates: it
+advances once per window, however many optimizer steps the window takes.
+
+Metrics of one ``train`` call (one rollout batch; at a window's end, the window's
+later mini-batches too): ``train/loss`` is the mean over the mini-batches computed of
+their micro-batch losses' sum; every other value a ``loss`` returns is averaged over
+the calls that returned it; ``train/grad_norm`` (``train/<name>/grad_norm`` for an
+optimizer registered under a name) is the mean norm before clipping over the steps.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import torch
+
+from corun.base.rng import update_generator
+from corun.contract.trainer import DEFAULT_OPTIMIZER, Batch, OptimizerSpec, Part, Trainer, overrides
+from corun.execution import distributed
+from corun.execution.compute import cancel_point
+
+
+class Updater:
+    """Turns one rollout batch at a time into gradients and, at window ends, steps."""
+
+    def __init__(
+        self, trainer: Trainer[Any], optimizers: Sequence[OptimizerSpec], *, window: int,
+        mini_batches: int, seed: int,
+    ) -> None:  # fmt: skip
+        self.trainer = trainer
+        self.optimizers = list(optimizers)
+        self.window = window
+        self.mini_batches = mini_batches
+        self.seed = seed
+        self.prepares = overrides(trainer, "prepare")
+        self.world = distributed.world()
+        # The window's batches so far, with their update generators: mini-batches
+        # after the first revisit them once the step before has been applied.
+        self._pending: list[tuple[Batch, torch.Generator]] = []
+
+    def train(self, batch: Batch, window_pos: int) -> dict[str, float]:
+        """Backpropagate ``batch`` (the ``window_pos``-th of its window) and, if it ends
+        the window, apply the update. Blocking: runs on the train lane."""
+        if window_pos == 0:
+            self._zero_grad()
+            self._pending.clear()
+        if self.prepares:
+            batch.data = self.trainer.prepare(batch)
+        generator = update_generator(self.seed, batch.index)
+        self._pending.append((batch, generator))
+        sums = _MetricSums()
+        # Nothing is applied yet: a stop here leaves the weights as they were.
+        self._backward(batch, 0, generator, sums, cancellable=True)
+        if window_pos == self.window - 1:
+            sums.norms(self._step())
+            with distributed.uncancellable():  # a step has been applied
+                for mini in range(1, self.mini_batches):
+                    self._zero_grad()
+                    for pending, pending_generator in self._pending:
+                        self._backward(pending, mini, pending_generator, sums, cancellable=False)
+                    sums.norms(self._step())
+            self._pending.clear()
+        if not self.world.parallel:
+            return sums.means()
+        with distributed.uncancellable():
+            batch.metrics = distributed.mean_metrics(batch.metrics)
+            means = distributed.mean_metrics(sums.means())
+        return {**means, "perf/collective_time_s": distributed.take_collective_s()}
+
+    def _backward(
+        self, batch: Batch, mini: int, generator: torch.Generator, sums: _MetricSums,
+        cancellable: bool,
+    ) -> None:  # fmt: skip
+        micros = self.trainer.micro_batches(batch)
+        total = 0.0
+        for micro in range(micros):
+            if cancellable:
+                cancel_point()
+            part = Part(mini, self.mini_batches, micro, micros, generator)
+            loss, metrics = self.trainer.loss(batch, part)
+            torch.autograd.backward(loss if self.window == 1 else loss / self.window)
+            total += float(loss.detach())
+            sums.add(metrics)
+        sums.loss(total)
+
+    def _zero_grad(self) -> None:
+        for spec in self.optimizers:
+            spec.optimizer.zero_grad(set_to_none=True)
+
+    def _step(self) -> dict[str, float]:
+        """Clip each optimizer's gradients, step it; the norms before clipping."""
+        if self.world.parallel:  # every rank steps on the mean of the ranks' gradients
+            distributed.average_gradients([p for spec in self.optimizers for p in spec.params])
+        norms = {}
+        for spec in self.optimizers:
+            limit = spec.grad_clip if spec.grad_clip > 0 else float("inf")
+            norms[spec.name] = float(torch.nn.utils.clip_grad_norm_(spec.params, limit))
+            spec.optimizer.step()
+        return norms
+
+
+def _norm_key(optimizer: str) -> str:
+    """``grad_norm`` for the default optimizer name, ``<name>/grad_norm`` otherwise."""
+    return "grad_norm" if optimizer == DEFAULT_OPTIMIZER else f"{optimizer}/grad_norm"
+
+
+class _MetricSums:
+    """Running sums of one ``train`` call's metrics, and their means."""
+
+    def __init__(self) -> None:
+        self._sums: dict[str, float] = defaultdict(float)
+        self._counts: dict[str, int] = defaultdict(int)
+
+    def add(self, metrics: Mapping[str, float]) -> None:
+        for key, value in metrics.items():
+            self._sums[key] += float(value)
+            self._counts[key] += 1
+
+    def loss(self, value: float) -> None:
+        self.add({"loss": value})
+
+    def norms(self, norms: Mapping[str, float]) -> None:
+        self.add({_norm_key(name): value for name, value in norms.items()})
+
+    def means(self) -> dict[str, float]:
+        return {f"train/{key}": total / self._counts[key] for key, total in self._sums.items()}

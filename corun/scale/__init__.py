@@ -1,0 +1,1 @@
+"""Scale-out: the torchrun launcher, a local Ray cluster, Ray rollout workers."""

@@ -1,0 +1,1 @@
+"""corun simulate: the real template on a mock clock, fitted to a run's figures."""
