@@ -22,7 +22,7 @@ _EXPORTS = {
     "corun.host.embed": ["training"],
     "corun.contract.episodes": ["Environment", "Episode", "EpisodeInbox", "Step"],
     "corun.base.errors": ["CheckpointError", "ConfigError", "DataError", "UsageError"],
-    "corun.loop.template": ["run"],
+    "corun.host.runs": ["run"],
     "corun.execution.procs": ["ChildProcess"],
     "corun.contract.registry": ["resolve_trainer"],
     "corun.base.rng": [
@@ -66,9 +66,9 @@ if TYPE_CHECKING:
     from corun.execution.distributed import World, shared_count, shared_mean_std, world
     from corun.execution.procs import ChildProcess
     from corun.host.embed import training
+    from corun.host.runs import run
     from corun.loop.session import Session
     from corun.loop.teardown import RunControl
-    from corun.loop.template import run
 
 __version__ = "0.1.0"
 

@@ -22,8 +22,8 @@ from starlette.responses import JSONResponse
 from starlette.routing import Route
 
 import corun
+from trainers.agentic.agent import practice, solve
 from trainers.agentic.calculator import Problem
-from trainers.agentic.client import practice, solve
 
 MODEL = "agentic"
 OVERRIDES = [

@@ -1,19 +1,26 @@
-"""Shared test set-up: wandb off, both anyio backends, run configs in tmp dirs."""
+"""Shared test set-up: wandb off, one torch thread, both anyio backends, and the shared
+fixtures of tests/support (loaded as plugins, so a test names a fixture without
+importing it)."""
 
 from __future__ import annotations
 
 import os
 import sys
 from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
 
 os.environ["WANDB_MODE"] = "disabled"
+# The helpers' own asserts report their operands too, as a test's do.
+pytest.register_assert_rewrite("tests.support")
 
-import corun
+pytest_plugins = [
+    "tests.support.cli",  # restore_process_state
+    "tests.support.corun_process",  # start_corun
+    "tests.support.vllm_fixtures",  # model_dir, chat, policy
+]
 
 
 @pytest.fixture(autouse=True)
@@ -31,17 +38,6 @@ def anyio_backend(request: pytest.FixtureRequest) -> str:
     return str(request.param)
 
 
-def make_config(run_dir: Path, trainer: dict[str, Any], **sections: dict[str, Any]) -> corun.Config:
-    """A config for an in-process run: progress off, wandb off, run.dir = ``run_dir``."""
-    raw: dict[str, Any] = {
-        "run": {"dir": str(run_dir), **sections.pop("run", {})},
-        "log": {"progress": "off", **sections.pop("log", {})},
-        "trainer": trainer,
-        **sections,
-    }
-    return corun.config_from_dict(raw)
-
-
 def pytest_configure(config: pytest.Config) -> None:
     config.addinivalue_line(
         "markers", "slow: several seconds (subprocesses, deadlines); runs in CI, never skipped"
@@ -49,8 +45,8 @@ def pytest_configure(config: pytest.Config) -> None:
 
 
 def pytest_terminal_summary(terminalreporter: Any) -> None:
-    """The fuzz tests' example counts per input kind (tests/fuzz_support.py)."""
-    fuzz = sys.modules.get("tests.fuzz_support")
+    """The fuzz tests' example counts per input kind (tests/support/fuzz_support.py)."""
+    fuzz = sys.modules.get("tests.support.fuzz_support")
     counts = getattr(fuzz, "COUNTS", None)
     if counts:
         terminalreporter.write_sep("-", f"fuzz examples: {sum(counts.values())}")

@@ -16,10 +16,10 @@ import torch
 
 import corun
 from corun.records.events import read_records
-from tests.conftest import make_config
-from tests.fakes import FakeTrainer
-from tests.loops import handwritten_loop, step_records
-from tests.test_resume import assert_state_equal
+from tests.support.config import make_config
+from tests.support.fakes import FakeTrainer
+from tests.support.loops import handwritten_loop, step_records
+from tests.support.state import assert_state_equal
 
 pytestmark = pytest.mark.anyio
 

@@ -22,7 +22,7 @@ from trio.testing import MockClock
 
 import corun
 from corun.records.events import read_records
-from tests.conftest import make_config
+from tests.support.config import make_config
 
 
 class LatencyConfig(corun.TrainerConfig, frozen=True, forbid_unknown_fields=True, kw_only=True):

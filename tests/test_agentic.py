@@ -16,9 +16,9 @@ import torch
 import corun
 from corun.contract.episodes import Environment, Step
 from corun.records.events import read_records
-from tests.conftest import make_config
-from tests.loops import Harness, handwritten_loop, step_records
-from tests.test_resume import assert_state_equal
+from tests.support.config import make_config
+from tests.support.loops import Harness, handwritten_loop, step_records
+from tests.support.state import assert_state_equal
 from trainers.agentic import calculator
 from trainers.agentic.calculator import CalculatorEnv, EnvSettings, Problem
 from trainers.agentic.policy import run_agent

@@ -13,18 +13,12 @@ import anyio
 import pytest
 
 from corun.contract.episodes import Environment, Step
-from tests.corun_process import (
-    CorunRun,
-    assert_interrupted,
-    assert_latest_checkpoint_loads,
-    start_corun,
-)
+from tests.support.corun_process import CorunRun, assert_interrupted, assert_latest_checkpoint_loads
 from tests.test_agentic import TINY
 from trainers.agentic.calculator import EnvSettings
 from trainers.agentic.rl import AgenticGRPOTrainer
 
 pytestmark = pytest.mark.slow
-__all__ = ["start_corun"]  # the fixture, used by name
 
 
 class StalledEnv:

@@ -10,7 +10,7 @@ import anyio
 import pytest
 
 from corun.records.events import read_records
-from tests.conftest import make_config
+from tests.support.config import make_config
 from trainers.lm.grpo import GRPOTrainer
 
 pytestmark = pytest.mark.anyio

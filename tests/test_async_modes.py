@@ -12,7 +12,7 @@ import torch
 
 import corun
 from corun.records.events import read_records
-from tests.conftest import make_config
+from tests.support.config import make_config
 from trainers.lm.engine import LocalEngine
 from trainers.lm.grpo import GRPOTrainer
 from trainers.lm.policy import build_policy, response_logprobs

@@ -12,8 +12,8 @@ import pytest
 import corun
 from corun.records import checkpoint
 from corun.records.events import read_records
-from tests.conftest import make_config
-from tests.fakes import TEARDOWN_ORDER, FakeError, FakeTrainer
+from tests.support.config import make_config
+from tests.support.fakes import TEARDOWN_ORDER, FakeError, FakeTrainer
 
 pytestmark = pytest.mark.anyio
 
@@ -22,7 +22,7 @@ ASYNC_LOOP = {"concurrency": 3, "workers": 2, "max_staleness": 2, "save_interval
 
 def _trainer(run_dir: Path, **trainer: object) -> FakeTrainer:
     config = make_config(
-        run_dir, {"kind": "tests.fakes:FakeTrainer", **trainer}, run={"steps": 6},
+        run_dir, {"kind": "tests.support.fakes:FakeTrainer", **trainer}, run={"steps": 6},
         loop=ASYNC_LOOP,
     )  # fmt: skip
     return FakeTrainer(config)
@@ -74,7 +74,7 @@ async def test_async_resume_trains_every_index_once(tmp_path: Path) -> None:
     with anyio.fail_after(60):
         for steps in (4, 8):
             config = make_config(
-                run_dir, {"kind": "tests.fakes:FakeTrainer"}, run={"steps": steps},
+                run_dir, {"kind": "tests.support.fakes:FakeTrainer"}, run={"steps": steps},
                 loop=ASYNC_LOOP,
             )  # fmt: skip
             trainer = FakeTrainer(config)

@@ -8,14 +8,8 @@ directory exactly as it was.
 
 from __future__ import annotations
 
-import logging
-import os
 import shutil
-import signal
-import subprocess
-import sys
 import tomllib
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -23,69 +17,20 @@ import anyio
 import pytest
 
 import corun
-from corun.host import cli
 from corun.records import checkpoint
-from tests.fakes import FakeTrainer
+from tests.support.cli import (
+    FAKE,
+    assert_usage_error,
+    base_toml,
+    call_main,
+    corun_subprocess,
+    listing,
+)
+from tests.support.fakes import FakeTrainer
 
 REPO = Path(__file__).resolve().parents[1]
-FAKE = "tests.fakes:FakeTrainer"
-
-
-def base_toml(run_dir: Path, extra: str = "") -> str:
-    return (
-        f'[run]\ndir = "{run_dir}"\nsteps = 2\n\n'
-        '[log]\nprogress = "off"\n\n'
-        f'[trainer]\nkind = "{FAKE}"\n' + extra
-    )
-
-
-@pytest.fixture(autouse=True)
-def _restore_process_state() -> Iterator[None]:
-    """``cli.main`` installs signal handlers and may configure logging: undo both."""
-    handlers = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM)}
-    root = logging.getLogger()
-    root_handlers, root_level = list(root.handlers), root.level
-    yield
-    for sig, handler in handlers.items():
-        signal.signal(sig, handler)
-    root.handlers[:] = root_handlers
-    root.setLevel(root_level)
-
-
-def call_main(argv: list[str], capsys: pytest.CaptureFixture[str]) -> tuple[int, str, str]:
-    try:
-        code = cli.main(argv)
-    except SystemExit as exc:  # argparse's own errors
-        code = exc.code if isinstance(exc.code, int) else 1
-    out, err = capsys.readouterr()
-    return code, out, err
-
-
-def assert_usage_error(code: int, err: str, *places: str) -> str:
-    assert "Traceback" not in err, err
-    assert code == 2, f"exit status {code}:\n{err}"
-    lines = err.splitlines()
-    assert len(lines) == 1, f"expected one line on stderr, got {len(lines)}:\n{err}"
-    line = lines[0]
-    assert line.startswith("corun: error: "), line
-    assert line.strip() != "corun: error:", line
-    for place in places:
-        assert place in line, f"{place!r} not named in: {line}"
-    return line
-
-
-def listing(root: Path) -> list[tuple[str, bool, int, int]]:
-    """Every path under ``root`` (and ``root`` itself) with kind, size and mtime."""
-    entries = [root, *root.rglob("*")]
-    return sorted(
-        (
-            str(p.relative_to(root)),
-            p.is_dir(),
-            0 if p.is_dir() else p.stat().st_size,
-            p.stat().st_mtime_ns,
-        )
-        for p in entries
-    )
+# cli.main installs signal handlers and may configure logging: undone after each test.
+pytestmark = pytest.mark.usefixtures("restore_process_state")
 
 
 # ----------------------------------------------------------------------------- config
@@ -270,27 +215,6 @@ def copied_run(trained_run: Path, tmp_path: Path) -> Path:
     run_dir = tmp_path / "run"
     shutil.copytree(trained_run, run_dir)
     return run_dir
-
-
-def corun_subprocess(tmp_path: Path, *args: str) -> subprocess.CompletedProcess[str]:
-    env = {
-        **os.environ,
-        "PYTHONPATH": os.pathsep.join(
-            p for p in (str(REPO), os.environ.get("PYTHONPATH", "")) if p
-        ),
-        "WANDB_MODE": "disabled",
-    }
-    script = Path(sys.executable).with_name("corun")
-    command = [str(script)] if script.exists() else [sys.executable, "-m", "corun.host.cli"]
-    return subprocess.run(
-        [*command, *args],
-        cwd=tmp_path,
-        env=env,
-        stdin=subprocess.DEVNULL,
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
 
 
 def resume_refused(tmp_path: Path, run_dir: Path, *overrides: str) -> str:

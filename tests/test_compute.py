@@ -15,7 +15,7 @@ import torch
 
 import corun
 from corun.execution.compute import Lane, cancel_point
-from tests.conftest import make_config
+from tests.support.config import make_config
 
 pytestmark = pytest.mark.anyio
 

@@ -14,7 +14,7 @@ import torch
 
 from corun.execution import cores
 from corun.execution.compute import Lane
-from tests.conftest import make_config
+from tests.support.config import make_config
 
 
 def _ticks(samples: list[tuple[int, int]]) -> Iterator[tuple[int, int]]:

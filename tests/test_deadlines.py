@@ -2,7 +2,7 @@
 and trio: a sync, an engine start, a generation or an engine shutdown that hangs in a
 thread (ignoring cancellation, as a hung C call does) is cancelled at its deadline,
 the stuck call is abandoned, the run fails with one line naming what overran and the
-setting, and teardown runs in order. The hangs come from tests/faults.py."""
+setting, and teardown runs in order. The hangs come from tests/support/faults.py."""
 
 from __future__ import annotations
 
@@ -16,22 +16,22 @@ import pytest
 
 import corun
 from corun.contract.engine import EngineError, Sampling
+from corun.engines.options import EngineOptions
+from corun.engines.start import check_engine
 from corun.execution import compute
 from corun.loop.deadlines import BoundedEngine, DeadlineError, deadline
 from corun.records import checkpoint
 from corun.records.events import read_records
-from tests import faults
-from tests.conftest import make_config
-from tests.fakes import TEARDOWN_ORDER
-from tests.faults import Fault, FaultyFake
-from trainers.hf.engines import check_engine
-from trainers.hf.vllm_engine import EngineOptions
+from tests.support import faults
+from tests.support.config import make_config
+from tests.support.fakes import TEARDOWN_ORDER
+from tests.support.faults import Fault, FaultyFake
 
 pytestmark = pytest.mark.anyio
 
 HF = {
-    "kind": "tests.faults:FaultyGRPO", "model": "tiny-llama", "samples_per_prompt": 2,
-    "max_new_tokens": 4, "eval_size": 4, "rewards": {"tests.faults:reward": 1.0},
+    "kind": "tests.support.faults:FaultyGRPO", "model": "tiny-llama", "samples_per_prompt": 2,
+    "max_new_tokens": 4, "eval_size": 4, "rewards": {"tests.support.faults:reward": 1.0},
 }  # fmt: skip
 HF_TEARDOWN = [n for n in TEARDOWN_ORDER if n != "teardown:weight_sync"]  # no channel of its own
 FAST = 0.5  # a deadline, s: the hang ends after it plus the grace (as long again)
@@ -44,7 +44,7 @@ def release_hangs() -> Iterator[None]:
 
 
 def fake_config(run_dir: Path, *fault: Fault, **sections: Any) -> corun.Config:
-    trainer = {"kind": "tests.faults:FaultyFake", "faults": faults.spec(*fault)}
+    trainer = {"kind": "tests.support.faults:FaultyFake", "faults": faults.spec(*fault)}
     run = {"steps": 4, "sync_timeout_s": FAST, **sections.pop("run", {})}
     return make_config(run_dir, trainer, run=run, **sections)
 

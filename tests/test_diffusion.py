@@ -19,9 +19,9 @@ from torch import Tensor
 import corun
 from corun.base.errors import CheckpointError, ConfigError
 from corun.records.events import read_records
-from tests.conftest import make_config
-from tests.loops import Harness
-from tests.test_resume import assert_state_equal
+from tests.support.config import make_config
+from tests.support.loops import Harness
+from tests.support.state import assert_state_equal
 from trainers.diffusion import shapes
 from trainers.diffusion.grid import save_grid, to_uint8
 from trainers.diffusion.model import FlowDiT, FlowModelConfig, load_model, model_from

@@ -20,10 +20,10 @@ import pytest
 import corun
 from corun.records.checkpoint import list_checkpoints
 from corun.records.events import read_records
-from tests.conftest import make_config
-from tests.fakes import TEARDOWN_ORDER
+from tests.support.config import make_config
+from tests.support.fakes import TEARDOWN_ORDER
 from tests.test_agentic import REPO, TINY
-from trainers.agentic.client import practice
+from trainers.agentic.agent import practice
 from trainers.agentic.sft import AgenticSFTTrainer
 
 pytestmark = pytest.mark.anyio

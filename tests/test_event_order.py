@@ -16,8 +16,8 @@ import pytest
 import corun
 from corun.records import checkpoint
 from corun.records.events import read_records
-from tests.conftest import make_config
-from tests.fakes import TEARDOWN_ORDER, FakeError, FakeTrainer
+from tests.support.config import make_config
+from tests.support.fakes import TEARDOWN_ORDER, FakeError, FakeTrainer
 
 pytestmark = pytest.mark.anyio
 
@@ -28,7 +28,7 @@ LOOP = {"eval_interval": 2, "save_interval": 2}
 def _config(tmp_path: Path, **trainer: Any) -> corun.Config:
     return make_config(
         tmp_path / "run",
-        {"kind": "tests.fakes:FakeTrainer", **trainer},
+        {"kind": "tests.support.fakes:FakeTrainer", **trainer},
         run={"steps": 3},
         loop=LOOP,
     )

@@ -1,4 +1,4 @@
-"""Each injected fault (tests/faults.py) → the documented behaviour, in real runs:
+"""Each injected fault (tests/support/faults.py) → the documented behaviour, in real runs:
 
 - a failure (engine start, generation, weight sync, evaluator, data source) → the run
   fails with that error (``corun train``: exit 1, one line naming it), teardown in
@@ -27,28 +27,21 @@ import corun
 from corun.contract.engine import EngineError
 from corun.records import checkpoint
 from corun.records.events import read_records
-from tests import faults
-from tests.conftest import make_config
-from tests.corun_process import (
-    CorunRun,
-    assert_engine_gone,
-    assert_teardown_order,
-    start_corun,
-)
-from tests.fakes import TEARDOWN_ORDER
-from tests.faults import Action, Fault, FaultError
-from tests.loops import step_records
-from tests.test_resume import assert_state_equal
+from tests.support import faults
+from tests.support.config import make_config
+from tests.support.corun_process import CorunRun, assert_engine_gone, assert_teardown_order
+from tests.support.fakes import TEARDOWN_ORDER
+from tests.support.faults import Action, Fault, FaultError
+from tests.support.loops import step_records
+from tests.support.state import assert_state_equal
 from trainers.hf.tiny import built_in
 
-__all__ = ["start_corun"]  # the fixture, used by name
-
 HF = {
-    "kind": "tests.faults:FaultyGRPO", "model": "tiny-llama", "samples_per_prompt": 2,
-    "max_new_tokens": 4, "eval_size": 4, "rewards": {"tests.faults:reward": 1.0},
+    "kind": "tests.support.faults:FaultyGRPO", "model": "tiny-llama", "samples_per_prompt": 2,
+    "max_new_tokens": 4, "eval_size": 4, "rewards": {"tests.support.faults:reward": 1.0},
 }  # fmt: skip
 AGENTIC = {
-    "kind": "tests.faults:FaultyAgentic", "d_model": 32, "n_heads": 2, "n_layers": 1,
+    "kind": "tests.support.faults:FaultyAgentic", "d_model": 32, "n_heads": 2, "n_layers": 1,
     "samples_per_prompt": 2, "eval_size": 4,
 }  # fmt: skip
 HF_TEARDOWN = [n for n in TEARDOWN_ORDER if n != "teardown:weight_sync"]
@@ -94,7 +87,7 @@ def metric_sum(run_dir: Path, key: str) -> float:
 
 # ----------------------------------------------------------------------------- failures
 
-FAKE = {"kind": "tests.faults:FaultyFake"}
+FAKE = {"kind": "tests.support.faults:FaultyFake"}
 Failure = tuple[dict[str, Any], Fault, dict[str, Any], type[Exception], list[str]]
 FAILURES: dict[str, Failure] = {
     # name: (trainer, fault, loop settings, error type, teardown steps)
@@ -264,7 +257,7 @@ def test_cli_hung_sync_exits_1_with_one_line(
     """FakeTrainer's sync blocks the train lane's thread: exit 1 with one line, teardown
     in order, the engine child gone, and the process ends despite the stuck thread."""
     run = start_corun(
-        {"kind": "tests.faults:FaultyFake", "spawn_engine": True,
+        {"kind": "tests.support.faults:FaultyFake", "spawn_engine": True,
          "faults": faults.spec(Fault(phase="sync", step=2, action="hang"))},
         (f"run.backend={backend}", "run.sync_timeout_s=1"),
         run={"steps": 4},

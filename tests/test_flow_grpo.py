@@ -13,9 +13,9 @@ import torch
 
 import corun
 from corun.records.events import read_records
-from tests.conftest import make_config
-from tests.loops import handwritten_loop, is_png, step_records
-from tests.test_resume import assert_state_equal
+from tests.support.config import make_config
+from tests.support.loops import handwritten_loop, is_png, step_records
+from tests.support.state import assert_state_equal
 from trainers.diffusion.grpo import FlowGRPOTrainer
 
 pytestmark = pytest.mark.anyio

@@ -30,10 +30,10 @@ from hypothesis import strategies as st
 import corun
 from corun.base.errors import CheckpointError, UsageError
 from corun.records import checkpoint
-from tests import fuzz_support as fuzz
-from tests.fakes import FakeTrainer
-from tests.fuzz_support import FUZZ, assert_one_line, bounded, count
-from tests.test_cli import FAKE, assert_usage_error, base_toml
+from tests.support import fuzz_support as fuzz
+from tests.support.cli import FAKE, assert_usage_error, base_toml
+from tests.support.fakes import FakeTrainer
+from tests.support.fuzz_support import FUZZ, assert_one_line, bounded, count
 
 
 @pytest.fixture(scope="module")

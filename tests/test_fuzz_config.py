@@ -28,14 +28,12 @@ import corun
 from corun.base import config
 from corun.base.errors import UsageError
 from corun.host import cli
-from tests.fakes import FakeConfig, FakeTrainer
-from tests.fuzz_support import FUZZ, assert_one_line, bounded, corun_many, count, tree_hash
-from tests.test_cli import (  # noqa: F401  (autouse: undoes cli.main's signal handlers)
-    FAKE,
-    _restore_process_state,
-    assert_usage_error,
-    base_toml,
-)
+from tests.support.cli import FAKE, assert_usage_error, base_toml
+from tests.support.fakes import FakeConfig, FakeTrainer
+from tests.support.fuzz_support import FUZZ, assert_one_line, bounded, corun_many, count, tree_hash
+
+# cli.main installs signal handlers and may configure logging: undone after each test.
+pytestmark = pytest.mark.usefixtures("restore_process_state")
 
 SECTIONS: dict[str, type[msgspec.Struct]] = {
     "run": config.RunConfig,

@@ -24,8 +24,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from corun import DataError, read_jsonl, stable_seed
-from tests.fuzz_support import FUZZ, assert_one_line, bounded, corun_many, count
-from tests.test_cli import assert_usage_error
+from tests.support.cli import assert_usage_error
+from tests.support.fuzz_support import FUZZ, assert_one_line, bounded, corun_many, count
 from trainers.hf.tasks import PromptRecord, prompt_batches, read_prompts
 from trainers.lm.sft import SFTRecord
 from trainers.lm.tasks import CHARS

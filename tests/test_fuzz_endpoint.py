@@ -28,7 +28,7 @@ from corun.execution.compute import Lane
 from corun.serve.app import build_app
 from corun.serve.batching import Batcher
 from corun.serve.capture import Recorder
-from tests.fuzz_support import FUZZ, count, json_values
+from tests.support.fuzz_support import FUZZ, count, json_values
 from tests.test_endpoint import MODEL, chat, policy
 
 TOKEN = "s3cret"

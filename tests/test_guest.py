@@ -13,7 +13,7 @@ import pytest
 
 import corun
 from corun.execution import guest
-from tests.conftest import make_config
+from tests.support.config import make_config
 
 
 @pytest.fixture(autouse=True)

@@ -18,9 +18,9 @@ from gymnasium import spaces
 from gymnasium.wrappers import TimeLimit
 
 import corun
+from corun.agents.gym import GymEnvironment
+from corun.agents.runner import Codec, Generated, run_episodes
 from corun.contract.episodes import Step
-from trainers.agentic.gym import GymEnvironment
-from trainers.agentic.runner import Codec, Generated, run_episodes
 
 TEXT = spaces.Text(64, min_length=0, charset=string.ascii_lowercase + " ?#")
 

@@ -19,11 +19,12 @@ import torch
 
 import corun
 from corun.records.events import read_records
-from tests.conftest import make_config
-from tests.loops import handwritten_loop, step_records
-from tests.test_cli import assert_usage_error, call_main
-from tests.test_resume import assert_state_equal
-from trainers.hf.policy import ChatFormat, Prompt, load_policy
+from tests.support.cli import assert_usage_error, call_main
+from tests.support.config import make_config
+from tests.support.loops import handwritten_loop, step_records
+from tests.support.state import assert_state_equal
+from trainers.hf.policy import ChatFormat, load_policy
+from trainers.hf.prompts import Prompt
 from trainers.hf.state import export
 from trainers.hf.tiny import build, built_in
 

@@ -32,10 +32,11 @@ from corun.execution.compute import cancel_point
 from corun.loop import kept_rollouts
 from corun.records import checkpoint
 from corun.records.events import read_records
-from tests.fakes import CallLog
-from tests.loops import step_records
+from tests.support.fakes import CallLog
+from tests.support.loops import step_records
+from tests.support.processes import wait_until
+from tests.support.state import assert_state_equal
 from tests.test_reproducible_async import ASYNC, SMALL
-from tests.test_resume import assert_state_equal
 from trainers.lm.grpo import GRPOConfig, GRPOTrainer
 
 pytestmark = pytest.mark.anyio
@@ -269,10 +270,11 @@ def test_sigint_and_resume_of_a_real_corun_train(
     common = [*FIXED, f"run.dir={run_dir}", "checkpoint.keep_rollouts=true"]
     first = _corun(tmp_path, [*common, f"trainer.stop_at={STOP}", "trainer.inflight=true"])
     try:
-        deadline = time.monotonic() + WAIT_S
-        while not (run_dir / "phase-held").exists():
-            assert first.poll() is None and time.monotonic() < deadline, _stderr(tmp_path)
-            time.sleep(0.02)
+        held = wait_until(
+            (run_dir / "phase-held").exists, WAIT_S, poll_s=0.02,
+            unless=lambda: first.poll() is not None,
+        )  # fmt: skip
+        assert held, _stderr(tmp_path)
         first.send_signal(signal.SIGINT)
         assert first.wait(timeout=WAIT_S) == 130, _stderr(tmp_path)
     finally:

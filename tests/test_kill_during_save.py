@@ -22,7 +22,8 @@ from pathlib import Path
 import pytest
 
 from corun.records import checkpoint
-from tests.storm_procs import Child, corun_command, events, last_run
+from tests.support.processes import corun_command, events, wait_until
+from tests.support.storm_procs import Child, last_run
 
 pytestmark = pytest.mark.slow
 
@@ -67,11 +68,11 @@ def _size(path: Path) -> int:
 
 def _complete_size(child: Child, run_dir: Path) -> int:
     """The size of a complete trainer.pt: wait for this run's first checkpoint."""
-    deadline = time.monotonic() + WAIT_S
-    while (first := checkpoint.latest(run_dir)) is None:
-        assert child.proc.poll() is None, f"corun exited early:\n{child.stderr()}"
-        assert time.monotonic() < deadline, "no complete checkpoint"
-        time.sleep(0.005)
+    first = wait_until(
+        lambda: checkpoint.latest(run_dir), WAIT_S, poll_s=0.005, unless=child.exited
+    )
+    assert first or not child.exited(), f"corun exited early:\n{child.stderr()}"
+    assert first, "no complete checkpoint"
     return (first / checkpoint.TENSORS_FILE).stat().st_size
 
 

@@ -1,5 +1,5 @@
-"""The TinyLM rollout engine's masks and behaviour log-probs, and GRPO's
-dynamic-sampling refill with scripted rounds.
+"""Sampling for the LM trainers: top-p log-probs, the TinyLM rollout engine's masks
+and behaviour log-probs, and GRPO's dynamic-sampling refill with scripted rounds.
 
 Expected numbers are worked out by hand in the comments, not recomputed with the
 code under test.
@@ -14,12 +14,46 @@ import pytest
 import torch
 
 import corun
-from tests.conftest import make_config
+from tests.support.config import make_config
 from trainers.lm.engine import LocalEngine, Rollouts
 from trainers.lm.grpo import GRPOBatch, GRPOTrainer
+from trainers.lm.model import top_p_log_probs
 from trainers.lm.policy import build_policy, response_logprobs
 from trainers.lm.policy_gradient import Scored
 from trainers.lm.tasks import EOS, PAD, TASKS, encode_prompts
+
+# ----------------------------------------------------------------------------- top-p
+
+
+def test_top_p_one_is_log_softmax() -> None:
+    logits = torch.randn(3, 15, generator=torch.Generator().manual_seed(0))
+    assert torch.equal(top_p_log_probs(logits, 1.0), torch.log_softmax(logits, dim=-1))
+
+
+def test_small_top_p_keeps_only_the_argmax() -> None:
+    logits = torch.randn(4, 15, generator=torch.Generator().manual_seed(1))
+    lp = top_p_log_probs(logits, 1e-3)
+    best = logits.argmax(dim=-1)
+    assert torch.equal(lp.gather(1, best[:, None]).squeeze(1), torch.zeros(4))
+    others = torch.ones_like(lp, dtype=torch.bool).scatter(1, best[:, None], False)
+    assert torch.isinf(lp[others]).all() and (lp[others] < 0).all()
+
+
+@pytest.mark.parametrize("top_p", [0.1, 0.5, 0.9, 0.99])
+def test_top_p_kept_mass(top_p: float) -> None:
+    logits = 2 * torch.randn(8, 15, generator=torch.Generator().manual_seed(2))
+    probs = torch.softmax(logits, dim=-1)
+    lp = top_p_log_probs(logits, top_p)
+    kept = torch.isfinite(lp)
+    kept_mass = (probs * kept).sum(dim=-1)
+    assert (kept_mass >= top_p - 1e-6).all()
+    # The smallest such set: without its least likely token it falls short of top_p.
+    smallest = probs.masked_fill(~kept, float("inf")).min(dim=-1).values
+    assert (kept_mass - smallest < top_p).all()
+    # Renormalised over the kept tokens, in proportion to the original probabilities.
+    assert torch.allclose(lp.exp().sum(dim=-1), torch.ones(8), atol=1e-5)
+    assert torch.allclose(lp.exp(), probs * kept / kept_mass[:, None], atol=1e-6)
+
 
 # ----------------------------------------------------------------------------- engine
 

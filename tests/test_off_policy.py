@@ -10,8 +10,8 @@ import pytest
 import torch
 
 from corun import ConfigError, SetupContext, World
-from tests.conftest import make_config
-from tests.loops import Harness
+from tests.support.config import make_config
+from tests.support.loops import Harness
 from trainers import pg
 from trainers.lm.grpo import GRPOTrainer
 from trainers.lm.policy_gradient import rollout_logprobs

@@ -1,4 +1,4 @@
-"""Every trainer kind against the one hand-written loop (tests/loops.py), bitwise, with
+"""Every trainer kind against the one hand-written loop (tests/support/loops.py), bitwise, with
 the update protocol at full stretch: windows of 2 batches and 2 mini-batches per
 update. Each trainer's loss must slice its batch by ``part`` for this to hold; the
 plain settings are checked per family in its own test file (and here for the kinds
@@ -14,9 +14,9 @@ import pytest
 
 import corun
 from tests import test_diffusion, test_flow_grpo, test_prompt_enhancer, test_rl_runtime
-from tests.conftest import make_config
-from tests.loops import handwritten_loop, step_records
-from tests.test_resume import assert_state_equal
+from tests.support.config import make_config
+from tests.support.loops import handwritten_loop, step_records
+from tests.support.state import assert_state_equal
 from tests.test_unified import PRETRAIN as UNIFIED_PRETRAIN
 from tests.test_unified import RL as UNIFIED
 

@@ -1,5 +1,6 @@
-"""Policy-gradient math in isolation (trainers/pg.py) and top-p sampling log-probs
-(the engine and GRPO's dynamic-sampling refill: tests/test_lm_sampling.py).
+"""Policy-gradient math in isolation (trainers/pg.py): advantages, the clipped
+surrogate, aggregation, KL, GAE, the value loss. (Seeded random cases against
+independent references: tests/test_pg_reference.py.)
 
 Expected numbers are worked out by hand in the comments, not recomputed with the
 code under test.
@@ -15,7 +16,6 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from trainers.lm.model import top_p_log_probs
 from trainers.pg import (
     aggregate,
     clipped_surrogate,
@@ -330,36 +330,3 @@ def test_clipped_value_loss_takes_the_max() -> None:
     close(clipped_value_loss(t([0.3]), t([0.0]), t([1.0]), 0.5), [0.245], atol=1e-12)
     # Clipped but closer: v = 3, v_old = 0, R = 0.4: max((2.6)², (0.1)²) → 0.5 · 6.76.
     close(clipped_value_loss(t([3.0]), t([0.0]), t([0.4]), 0.5), [3.38], atol=1e-12)
-
-
-# ----------------------------------------------------------------------------- top-p
-
-
-def test_top_p_one_is_log_softmax() -> None:
-    logits = torch.randn(3, 15, generator=torch.Generator().manual_seed(0))
-    assert torch.equal(top_p_log_probs(logits, 1.0), torch.log_softmax(logits, dim=-1))
-
-
-def test_small_top_p_keeps_only_the_argmax() -> None:
-    logits = torch.randn(4, 15, generator=torch.Generator().manual_seed(1))
-    lp = top_p_log_probs(logits, 1e-3)
-    best = logits.argmax(dim=-1)
-    assert torch.equal(lp.gather(1, best[:, None]).squeeze(1), torch.zeros(4))
-    others = torch.ones_like(lp, dtype=torch.bool).scatter(1, best[:, None], False)
-    assert torch.isinf(lp[others]).all() and (lp[others] < 0).all()
-
-
-@pytest.mark.parametrize("top_p", [0.1, 0.5, 0.9, 0.99])
-def test_top_p_kept_mass(top_p: float) -> None:
-    logits = 2 * torch.randn(8, 15, generator=torch.Generator().manual_seed(2))
-    probs = torch.softmax(logits, dim=-1)
-    lp = top_p_log_probs(logits, top_p)
-    kept = torch.isfinite(lp)
-    kept_mass = (probs * kept).sum(dim=-1)
-    assert (kept_mass >= top_p - 1e-6).all()
-    # The smallest such set: without its least likely token it falls short of top_p.
-    smallest = probs.masked_fill(~kept, float("inf")).min(dim=-1).values
-    assert (kept_mass - smallest < top_p).all()
-    # Renormalised over the kept tokens, in proportion to the original probabilities.
-    assert torch.allclose(lp.exp().sum(dim=-1), torch.ones(8), atol=1e-5)
-    assert torch.allclose(lp.exp(), probs * kept / kept_mass[:, None], atol=1e-6)

@@ -14,9 +14,9 @@ import torch
 
 import corun
 from corun.records.events import read_records
-from tests.conftest import make_config
-from tests.loops import RecordsHooks, handwritten_loop, is_png, lifecycle, step_records
-from tests.test_resume import assert_state_equal
+from tests.support.config import make_config
+from tests.support.loops import RecordsHooks, handwritten_loop, is_png, lifecycle, step_records
+from tests.support.state import assert_state_equal
 from trainers.lm.model import decode
 from trainers.pe.prompts import EOS, PROMPT_LEN, REWRITE_LEN, UserData, flow_tokens
 from trainers.pe.rewriter import build_rewriter, rewrite_logprobs

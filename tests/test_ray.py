@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import shutil
 import signal
-import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -24,11 +23,11 @@ from corun.records import checkpoint
 from corun.records.events import read_records
 from corun.scale.ray_cluster import LocalCluster, restore_auth, use_auth
 from corun.scale.ray_workers import RayWorkers
-from tests.conftest import make_config
-from tests.corun_process import CorunRun, _alive
-from tests.corun_process import start_corun as start_corun  # the fixture
-from tests.loops import step_records
-from tests.test_resume import assert_state_equal
+from tests.support.config import make_config
+from tests.support.corun_process import CorunRun
+from tests.support.loops import step_records
+from tests.support.processes import alive, wait_until
+from tests.support.state import assert_state_equal
 from trainers.lm.grpo import GRPOTrainer
 
 pytestmark = pytest.mark.slow
@@ -103,7 +102,7 @@ async def test_ray_workers_give_the_batches_of_thread_workers(tmp_path: Path, cl
 async def test_worker_killed_mid_rollout_has_its_batch_redone(
     tmp_path: Path, cluster: str, anyio_backend: str
 ) -> None:
-    dying = TINY | {"kind": "tests.ray_trainers:DyingGRPO"}
+    dying = TINY | {"kind": "tests.support.ray_trainers:DyingGRPO"}
     config = _config(tmp_path, dying, {"backend": "ray", "address": cluster})
     with anyio.fail_after(120):
         outcome = await corun.run(corun.resolve_trainer(dying["kind"])(config), config)
@@ -159,7 +158,7 @@ def test_worker_lost_fails_the_run_with_one_line(
     start_corun: Callable[..., CorunRun], cluster: str
 ) -> None:
     run = start_corun(
-        TINY | {"kind": "tests.ray_trainers:DyingGRPO"},
+        TINY | {"kind": "tests.support.ray_trainers:DyingGRPO"},
         loop=ASYNC, data={"batch_size": 4}, run={"steps": 6},
         rollout={"backend": "ray", "address": cluster, "on_worker_lost": "fail"},
     )  # fmt: skip
@@ -174,7 +173,7 @@ def test_worker_lost_fails_the_run_with_one_line(
 def _session_alive(sid: int) -> list[int]:
     from corun.execution.procs import _session_members
 
-    return [pid for pid in [sid, *_session_members(sid)] if _alive(pid)]
+    return [pid for pid in [sid, *_session_members(sid)] if alive(pid)]
 
 
 def test_ctrl_c_leaves_no_ray_process(start_corun: Callable[..., CorunRun]) -> None:
@@ -198,12 +197,13 @@ def test_ctrl_c_leaves_no_ray_process(start_corun: Callable[..., CorunRun]) -> N
 
 def _assert_no_ray_left(started: dict[str, Any]) -> None:
     """Within 10 s, no process of the run's Ray session (nor any of its actors)."""
-    deadline = time.monotonic() + 10
-    left = _session_alive(started["cluster_pid"]) + [p for p in started["pids"] if _alive(p)]
-    while left and time.monotonic() < deadline:
-        time.sleep(0.1)
-        left = _session_alive(started["cluster_pid"]) + [p for p in started["pids"] if _alive(p)]
-    assert not left, f"Ray processes of the run left: {left}"
+
+    def left() -> list[int]:
+        return _session_alive(started["cluster_pid"]) + [p for p in started["pids"] if alive(p)]
+
+    wait_until(lambda: not left(), 10, poll_s=0.1)
+    remaining = left()
+    assert not remaining, f"Ray processes of the run left: {remaining}"
 
 
 @pytest.mark.parametrize("how", ["third signal", "hard deadline", "SIGKILL"])
@@ -213,7 +213,8 @@ def test_a_hard_exit_leaves_no_ray_process(start_corun: Callable[..., CorunRun],
     SIGKILL of corun itself (the parent watch the cluster's head runs under), still end
     the run's whole Ray session within 10 s, and its temp dir goes too."""
     run = start_corun(
-        TINY | {"kind": "tests.ray_trainers:HangingGRPO"}, loop=ASYNC, data={"batch_size": 4},
+        TINY | {"kind": "tests.support.ray_trainers:HangingGRPO"},
+        loop=ASYNC, data={"batch_size": 4},
         run={"steps": 1000, "hard_deadline_s": 3 if how == "hard deadline" else 120},
         rollout={"backend": "ray"},
     )  # fmt: skip

@@ -20,9 +20,9 @@ import anyio
 import pytest
 
 import corun
-from tests.fakes import CallLog
-from tests.loops import step_records
-from tests.test_resume import assert_state_equal
+from tests.support.fakes import CallLog
+from tests.support.loops import step_records
+from tests.support.state import assert_state_equal
 from trainers.lm.grpo import GRPOTrainer
 
 pytestmark = pytest.mark.anyio

@@ -11,16 +11,16 @@ from typing import Any
 
 import anyio
 import pytest
-import torch
 
 import corun
 from corun.records.events import read_records
-from tests.conftest import make_config
-from tests.fakes import FakeTrainer
+from tests.support.config import make_config
+from tests.support.fakes import FakeTrainer
+from tests.support.state import assert_state_equal
 
 pytestmark = pytest.mark.anyio
 
-FAKE = {"kind": "tests.fakes:FakeTrainer"}
+FAKE = {"kind": "tests.support.fakes:FakeTrainer"}
 
 
 def _trainer(run_dir: Path, steps: int, trainer: dict[str, Any] = FAKE) -> FakeTrainer:
@@ -35,21 +35,6 @@ def _training_metrics(run_dir: Path) -> list[dict[str, Any]]:
         for record in read_records(run_dir / "metrics.jsonl")
         if "train/loss" in record
     ]
-
-
-def assert_state_equal(a: Any, b: Any) -> None:
-    if isinstance(a, torch.Tensor):
-        assert torch.equal(a, b)
-    elif isinstance(a, dict):
-        assert a.keys() == b.keys()
-        for key in a:
-            assert_state_equal(a[key], b[key])
-    elif isinstance(a, list | tuple):
-        assert len(a) == len(b)
-        for x, y in zip(a, b, strict=True):
-            assert_state_equal(x, y)
-    else:
-        assert a == b
 
 
 async def test_resume_equals_uninterrupted(tmp_path: Path) -> None:

@@ -16,12 +16,10 @@ import pytest
 
 from corun.host import cli
 from corun.records import checkpoint
-from tests.test_cli import (
-    FAKE,
-    _restore_process_state,  # noqa: F401  (autouse: undoes cli.main's signal handlers)
-    assert_usage_error,
-    call_main,
-)
+from tests.support.cli import FAKE, assert_usage_error, call_main
+
+# cli.main installs signal handlers and may configure logging: undone after each test.
+pytestmark = pytest.mark.usefixtures("restore_process_state")
 
 KINDS = ["grpo", "ppo"]
 

@@ -15,9 +15,9 @@ import torch
 
 import corun
 from corun.records.events import read_records
-from tests.conftest import make_config
-from tests.loops import handwritten_loop, without_timings
-from tests.test_resume import assert_state_equal
+from tests.support.config import make_config
+from tests.support.loops import handwritten_loop, without_timings
+from tests.support.state import assert_state_equal
 from trainers.lm.grpo import GRPOTrainer
 from trainers.lm.policy import HeldOutEval, policy_from
 from trainers.lm.ppo import PPOTrainer

@@ -14,7 +14,7 @@ import pytest
 import tomli_w
 
 from corun.records import checkpoint
-from tests.test_cli import assert_usage_error, corun_subprocess, listing
+from tests.support.cli import assert_usage_error, corun_subprocess, listing
 
 SMALL = {"task": "sort", "d_model": 32, "n_heads": 2, "n_layers": 1, "eval_size": 8}
 SFT = {"kind": "sft", **SMALL}

@@ -12,11 +12,10 @@ from typing import Any
 import httpx
 import pytest
 
-from tests.corun_process import CorunRun, assert_interrupted, start_corun
+from tests.support.corun_process import CorunRun, assert_interrupted
 from tests.test_agentic import TINY
 
 pytestmark = pytest.mark.slow
-__all__ = ["start_corun"]  # the fixture, used by name
 BODY = {"model": "run", "messages": [{"role": "user", "content": "123+456="}], "max_tokens": 10}
 
 

@@ -14,7 +14,7 @@ import torch
 from corun.base.config import Config
 from corun.base.errors import CheckpointError, ConfigError, DataError
 from corun.contract.config_file import config_from_dict, load_config
-from tests.loops import Harness
+from tests.support.loops import Harness
 from trainers.lm.model import ModelConfig, TinyLM
 from trainers.lm.sft import SFTConfig, SFTTrainer, load_policy
 from trainers.lm.tasks import (

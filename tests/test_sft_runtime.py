@@ -11,9 +11,9 @@ import pytest
 
 import corun
 from corun.records.events import read_records
-from tests.conftest import make_config
-from tests.loops import handwritten_loop, step_records
-from tests.test_resume import assert_state_equal
+from tests.support.config import make_config
+from tests.support.loops import handwritten_loop, step_records
+from tests.support.state import assert_state_equal
 from trainers.lm.sft import SFTTrainer
 
 pytestmark = pytest.mark.anyio

@@ -1,6 +1,6 @@
 """Real signals to a real ``corun train`` subprocess.
 
-Each test writes a TOML config for the fake trainer (``tests.fakes:FakeTrainer``),
+Each test writes a TOML config for the fake trainer (``tests.support.fakes:FakeTrainer``),
 starts ``corun train`` as a subprocess, waits for the trainer's phase marker
 (``<run.dir>/phase-<name>``, touched on entering a phase) so the signal lands at a
 known moment, sends SIGINT or SIGTERM, and then checks what the contract promises:
@@ -27,18 +27,16 @@ from typing import Any
 import pytest
 
 from corun.records import checkpoint
-from tests.corun_process import (
+from tests.support.corun_process import (
     CorunRun,
     assert_engine_gone,
     assert_interrupted,
     assert_latest_checkpoint_loads,
-    start_corun,
 )
-from tests.fakes import TEARDOWN_ORDER
+from tests.support.fakes import TEARDOWN_ORDER
 
 # Every test here starts a subprocess that imports torch: 2-5 s each on two cores.
 pytestmark = pytest.mark.slow
-__all__ = ["start_corun"]  # the fixture, used by name
 
 
 # ----------------------------------------------------------------------------- moments

@@ -1,4 +1,4 @@
-"""The interrupt storm (tests/storm.py): real ``corun train`` processes, each sent SIGINT
+"""The interrupt storm (tests/support/storm.py): real ``corun train`` processes, each sent SIGINT
 or SIGTERM at a seeded random moment, from imports to the last step; every run must
 exit with the signal's status, record its whole teardown, leave a checkpoint that
 loads, resume to final weights bitwise equal to an uninterrupted run, and leave no
@@ -9,7 +9,7 @@ the fixed version schedule, async agentic), two at a time. The full storm:
 
     CORUN_STORM_RUNS=200 nice -n 19 .venv/bin/pytest tests/test_storm.py -s
 
-(every config, vLLM included when installed), or ``python -m tests.storm --runs 200``.
+(every config, vLLM included when installed), or ``python -m tests.support.storm --runs 200``.
 ``CORUN_STORM_SEED`` moves the seeds; ``CORUN_STORM_WORKERS`` sets the runs at a time.
 
 Also here: the storm's own checks fail when they should (a leaked process in a session
@@ -28,8 +28,8 @@ from typing import Any
 import pytest
 import torch
 
-from tests.storm import CASES, storm
-from tests.storm_procs import Watch, first_difference
+from tests.support.storm import CASES, storm
+from tests.support.storm_procs import Watch, first_difference
 
 CI_RUNS = 12
 

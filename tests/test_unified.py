@@ -13,10 +13,10 @@ import pytest
 
 import corun
 from corun.records.events import read_records
-from tests.conftest import make_config
-from tests.fakes import TEARDOWN_ORDER
-from tests.loops import RecordsHooks, handwritten_loop, lifecycle, step_records
-from tests.test_resume import assert_state_equal
+from tests.support.config import make_config
+from tests.support.fakes import TEARDOWN_ORDER
+from tests.support.loops import RecordsHooks, handwritten_loop, lifecycle, step_records
+from tests.support.state import assert_state_equal
 from trainers.unified import UnifiedPretrainTrainer, UnifiedTrainer
 from trainers.unified.base import UnifiedBase
 

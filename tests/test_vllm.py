@@ -1,4 +1,4 @@
-"""vLLM in process as a rollout engine (trainers/hf/vllm_engine.py).
+"""vLLM in process as a rollout engine (corun/engines/vllm_engine.py).
 
 - The behaviour log-probs vLLM records match the HF policy's recomputed ones (the
   trainer's ``rollout_logprobs``) at version 0 and after three syncs of changed
@@ -18,46 +18,45 @@ itself releases it, and the next one starts a fresh engine (~3-7 s).
 
 from __future__ import annotations
 
-import copy
 import math
 import signal
-from collections.abc import Awaitable, Callable, Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any, Generic, TypeVar
+from typing import Any
 
 import anyio
 import pytest
-import torch
 
 pytest.importorskip("vllm")
 
 import corun
-from corun.contract.engine import Engine, EngineError, Sampling
+from corun.contract.engine import Sampling
+from corun.engines.options import VLLMConfig
+from corun.engines.vllm_engine import VLLMEngine
 from corun.records.events import read_records
-from tests.conftest import make_config
-from tests.corun_process import CorunRun, assert_interrupted, start_corun
-from tests.test_cli import assert_usage_error
-from tests.test_resume import assert_state_equal
-from tests.vllm_helpers import assert_gone, children_of
+from tests.support.cli import assert_usage_error
+from tests.support.config import make_config
+from tests.support.corun_process import CorunRun, assert_interrupted
+from tests.support.processes import children_of
+from tests.support.state import assert_state_equal
+from tests.support.vllm_helpers import (
+    RUN_TABLES,
+    SAMPLINGS,
+    TOLERANCE,
+    Engines,
+    assert_failed_reload_kills,
+    assert_gone,
+    assert_logprobs_follow_syncs,
+    hf_trainer,
+    max_diff,
+    prompts,
+    recompute,
+    sampling_of,
+)
 from trainers.hf.policy import ChatFormat, HFPolicy, load_policy
 from trainers.hf.rl import to_rollouts
 from trainers.hf.state import export
-from trainers.hf.tasks import eval_problems
-from trainers.hf.tiny import built_in
-from trainers.hf.vllm_engine import VLLMConfig, VLLMEngine
-from trainers.lm.engine import Rollouts
-from trainers.lm.policy import rollout_logprobs
 
-__all__ = ["start_corun"]  # the fixture, used by name
-E = TypeVar("E", bound=Engine)
-
-TOLERANCE = 1e-4  # behaviour vs recomputed log-probs (measured: ~1e-6)
-SYNC_SHIFT = 1e-2  # a real sync moves some log-prob by more than this (measured: > 0.1)
-SAMPLINGS = {  # (temperature, top_p)
-    "top_p": (0.7, 0.5),
-    "full": (1.0, 1.0),
-    "greedy": (0.0, 1.0),
-}
 # Interrupted after set-up: every step this trainer registers, in the documented order.
 INTERRUPTED_TEARDOWN = [
     "teardown:stop",
@@ -69,130 +68,7 @@ INTERRUPTED_TEARDOWN = [
 ]
 
 
-# ---------------------------------------------------------------------- shared helpers
-
-
-@pytest.fixture(scope="module")
-def model_dir() -> Path:
-    """The built-in tiny Llama (head size 32, which vLLM's CPU attention takes)."""
-    return built_in().resolve()
-
-
-@pytest.fixture(scope="module")
-def chat(model_dir: Path) -> ChatFormat:
-    return ChatFormat(load_policy(f"hf:{model_dir}", "model")[1])
-
-
-@pytest.fixture
-def policy(model_dir: Path) -> HFPolicy:
-    """A fresh copy of the model's weights (tests change them)."""
-    return load_policy(f"hf:{model_dir}", "model")[0].eval()
-
-
-def prompts(chat: ChatFormat, n: int = 8) -> list[list[int]]:
-    return [chat.encode(example.prompt) for example in eval_problems(n)]
-
-
-def sampling_of(case: str, chat: ChatFormat) -> Sampling:
-    temperature, top_p = SAMPLINGS[case]
-    return Sampling(max_tokens=12, temperature=temperature, top_p=top_p, stop_ids=(chat.eos_id,))
-
-
-def recompute(policy: HFPolicy, rollouts: Rollouts, sampling: Sampling) -> torch.Tensor:
-    """The trainer's log-probs of the sampled tokens (greedy: under T = 1)."""
-    with torch.no_grad():
-        return rollout_logprobs(policy, rollouts, sampling.temperature or 1.0)[0]
-
-
-def max_diff(a: torch.Tensor, b: torch.Tensor, mask: torch.Tensor) -> float:
-    return float(((a - b).abs() * mask).max())
-
-
-def perturb(policy: HFPolicy, seed: int) -> None:
-    generator = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for param in policy.parameters():
-            param.add_(torch.randn(param.shape, generator=generator) * 0.05)
-
-
-async def assert_logprobs_follow_syncs(
-    engine: Engine, policy: HFPolicy, chat: ChatFormat, sampling: Sampling, syncs: int = 3
-) -> None:
-    """Version 0 = the policy's weights, then ``syncs`` changed weights: every time the
-    behaviour log-probs equal the recomputed ones, and differ from the old weights'."""
-    rows = prompts(chat)
-    await engine.update_weights(policy.weights(), 0)  # whatever the engine held before
-    old: HFPolicy | None = None
-    for version in range(syncs + 1):
-        if version:
-            old = copy.deepcopy(policy)
-            perturb(policy, seed=version)
-            await engine.update_weights(policy.weights(), version)
-        assert engine.version == version
-        generations = await engine.generate(rows, sampling, seed=version)
-        assert all(g.versions == [version] * len(g.ids) for g in generations)
-        assert all(g.ids for g in generations)
-        rollouts = to_rollouts(rows, generations, chat.pad_id)
-        mask = rollouts.response_mask.float()
-        behaviour = rollouts.logprobs
-        diff = max_diff(behaviour, recompute(policy, rollouts, sampling), mask)
-        assert diff < TOLERANCE, f"version {version}: behaviour vs recomputed differ by {diff}"
-        if old is not None:
-            stale = max_diff(behaviour, recompute(old, rollouts, sampling), mask)
-            assert stale > SYNC_SHIFT, f"version {version}: the sync changed nothing ({stale})"
-        if sampling.temperature == 0:  # greedy: every token is the policy's argmax
-            assert_argmax(policy, rollouts)
-
-
-def assert_argmax(policy: HFPolicy, rollouts: Rollouts) -> None:
-    prompt_len = rollouts.prompt_ids.shape[1]
-    sequences, attention = rollouts.sequences, rollouts.attention_mask
-    with torch.no_grad():
-        logits = policy(sequences[:, :-1], None if attention is None else attention[:, :-1])
-    best = logits[:, prompt_len - 1 :].argmax(-1)
-    mask = rollouts.response_mask
-    assert torch.equal(best[mask], rollouts.response_ids[mask])
-
-
-def hf_trainer(model_dir: Path, **settings: Any) -> dict[str, Any]:
-    """A small hf_grpo trainer table (kind and engine may be overridden)."""
-    return {
-        "kind": "hf_grpo", "model": f"hf:{model_dir}", "engine": "vllm",
-        "samples_per_prompt": 4, "max_new_tokens": 6, "eval_size": 8, **settings,
-    }  # fmt: skip
-
-
-RUN_TABLES: dict[str, dict[str, Any]] = {
-    "loop": {"baseline_eval": False},
-    "data": {"batch_size": 2},
-    "log": {"progress": "off"},
-}
-
-
 # ------------------------------------------------------------ the engine, in process
-
-
-class Engines(Generic[E]):
-    """A module's shared engine, started on first use and again after a test killed or
-    released it."""
-
-    def __init__(self, start: Callable[[], Awaitable[E]], start_timeout_s: float) -> None:
-        self._start, self.start_timeout_s = start, start_timeout_s
-        self.engine: E | None = None
-
-    async def get(self) -> E:
-        if self.engine is not None and not await self.engine.health():
-            await self.release()
-        if self.engine is None:
-            with anyio.fail_after(self.start_timeout_s):
-                self.engine = await self._start()
-        return self.engine
-
-    async def release(self) -> None:
-        engine, self.engine = self.engine, None
-        if engine is not None:
-            with anyio.fail_after(60):
-                await engine.shutdown()
 
 
 @pytest.fixture(scope="module")
@@ -242,26 +118,6 @@ async def test_cancelled_generation_frees_the_engine(
         assert not core.has_unfinished_requests()
         assert await engine.health()
         await assert_logprobs_follow_syncs(engine, policy, chat, sampling_of("top_p", chat), 1)
-
-
-async def assert_failed_reload_kills(engine: Engine, policy: HFPolicy) -> EngineError:
-    version = engine.version
-    state = dict(policy.weights())
-    name = next(iter(state))
-    state[name] = torch.zeros(3, 5)
-    with anyio.fail_after(60):
-        with pytest.raises(EngineError, match="weight reload for version 1 failed") as failed:
-            await engine.update_weights(state, 1)
-        assert name in str(failed.value)
-        assert "\n" not in str(failed.value)
-        assert not await engine.health()
-    with anyio.fail_after(5):  # no engine work: each call fails before reaching it
-        with pytest.raises(EngineError, match="unusable"):
-            await engine.generate([[1, 2, 3]], Sampling(max_tokens=2), 0)
-        with pytest.raises(EngineError, match="unusable"):
-            await engine.update_weights(policy.weights(), 2)
-    assert engine.version == version
-    return failed.value
 
 
 @pytest.mark.anyio
@@ -380,7 +236,8 @@ def test_ctrl_c_in_vllm_work(
 ) -> None:
     """SIGINT while the engine generates (a long decode) or reloads weights (step 1's
     sync): exit 130, teardown in the documented order, nothing left running."""
-    trainer = hf_trainer(model_dir, kind="tests.vllm_helpers:HeldGRPOTrainer", hold_in=phase)
+    held = "tests.support.vllm_helpers:HeldGRPOTrainer"
+    trainer = hf_trainer(model_dir, kind=held, hold_in=phase)
     run = start_corun(trainer, **RUN_TABLES)
     run.wait_phase(phase)
     left = children_of(run.proc.pid)

@@ -1,5 +1,5 @@
 """The vLLM OpenAI server in a child process as a rollout engine
-(trainers/hf/vllm_server.py, trainers/hf/vllm_worker.py).
+(corun/engines/vllm_server.py, corun/engines/vllm_worker.py).
 
 - Behaviour log-probs over HTTP match the HF policy's recomputed ones at version 0 and
   after three weight syncs (top-p, full distribution, greedy); every sync is real.
@@ -30,30 +30,26 @@ import pytest
 
 pytest.importorskip("vllm")
 
-from tests.corun_process import CorunRun, assert_interrupted, start_corun
-from tests.test_cli import assert_usage_error
-from tests.test_vllm import (
+from corun.engines.options import VLLMConfig
+from corun.engines.vllm_server import WORKER, VLLMServerEngine
+from tests.support.cli import assert_usage_error
+from tests.support.corun_process import CorunRun, assert_interrupted
+from tests.support.processes import children_of, group_alive
+from tests.support.vllm_helpers import (
     RUN_TABLES,
     SAMPLINGS,
     Engines,
     assert_failed_reload_kills,
+    assert_group_gone,
     assert_logprobs_follow_syncs,
-    chat,
     hf_trainer,
-    model_dir,
-    policy,
     sampling_of,
 )
-from tests.vllm_helpers import assert_group_gone, children_of, group_alive
 from trainers.hf.policy import ChatFormat, HFPolicy
-from trainers.hf.vllm_engine import VLLMConfig
-from trainers.hf.vllm_server import VLLMServerEngine
 
 # Every test here runs a vLLM server (30-45 s to start) or a `corun train` subprocess.
 pytestmark = pytest.mark.slow
-__all__ = ["chat", "model_dir", "policy", "start_corun"]  # fixtures, used by name
 
-SERVER = "trainers.hf.vllm_worker"
 START_S = 240.0  # a server's start-up on a busy two-core machine, with margin
 
 
@@ -123,7 +119,7 @@ def find_server(run: CorunRun, found: list[Server]) -> Server:
                 log = Path(os.readlink(f"/proc/{pid}/fd/1"))  # <workdir>/server.log
             except OSError:
                 continue
-            if SERVER.encode() in command and os.getpgid(pid) == pid:
+            if WORKER.encode() in command and os.getpgid(pid) == pid:
                 found.append(Server(pid, log.parent))
                 return True
         return False

@@ -12,8 +12,8 @@ import pytest
 
 import corun
 from corun.records.events import read_records
-from tests.conftest import make_config
-from tests.fakes import FakeTrainer
+from tests.support.config import make_config
+from tests.support.fakes import FakeTrainer
 
 
 def _children() -> list[str]:
@@ -32,7 +32,7 @@ def test_offline_run_reattaches_and_leaves_no_process(
     before = set(_children())  # earlier tests' (multiprocessing's resource tracker)
     for steps in (2, 4):
         config = make_config(
-            run_dir, {"kind": "tests.fakes:FakeTrainer"}, run={"steps": steps},
+            run_dir, {"kind": "tests.support.fakes:FakeTrainer"}, run={"steps": steps},
             log={"wandb": "offline"},
         )  # fmt: skip
         anyio.run(corun.run, FakeTrainer(config), config)

@@ -1,25 +1,37 @@
 """Where a model's weights come from and go: rebuilt from a checkpoint, warm-started
-from another run, frozen copies (KL anchors, samplers), and the rollout side's copies
-(:class:`Replicas`)."""
+from another run (trained first when a config names it), frozen copies (KL anchors,
+samplers), and the rollout side's copies (:class:`Replicas`), synced by
+:class:`ReplicatedRollouts`."""
 
 from __future__ import annotations
 
 import copy
 import threading
-from collections.abc import Callable
-from typing import Any, Generic, TypeVar
+from collections.abc import Callable, Iterator
+from typing import Any, Generic, Protocol, Self, TypeVar
 
 import msgspec
 import torch
 from torch import Tensor, nn
 
 from corun import CheckpointError, SetupContext
-from corun.host.prerequisites import checkpoint_for
+from corun.host.prerequisites import checkpoint_for, is_config
 from corun.records.checkpoint import read
 
 M = TypeVar("M", bound=nn.Module)
 R = TypeVar("R")
 State = dict[str, Tensor]
+
+
+class Freezable(Protocol):
+    """A model, or a policy protocol that nn.Modules satisfy."""
+
+    def eval(self) -> Self: ...
+
+    def parameters(self, recurse: bool = True) -> Iterator[nn.Parameter]: ...
+
+
+F = TypeVar("F", bound=Freezable)
 
 
 def rebuild(model_cls: Callable[[Any], M], config_cls: type[Any], state: dict[str, Any]) -> M:
@@ -45,12 +57,25 @@ def warm_start(init_from: str, load: Callable[[dict[str, Any]], M], what: str) -
         raise CheckpointError(f"{path}: not a {what} checkpoint ({exc})") from None
 
 
-def frozen_copy(model: M) -> M:
+def warm_start_runs(*init_from: str) -> list[str]:
+    """The warm starts among ``init_from`` that name a run's config, not a checkpoint
+    directory: a trainer's prerequisites, trained first when their final checkpoint is
+    missing."""
+    return [path for path in init_from if is_config(path)]
+
+
+def frozen_copy(model: F) -> F:
     """A copy in eval mode without gradients."""
     frozen = copy.deepcopy(model).eval()
     for p in frozen.parameters():
         p.requires_grad_(False)
     return frozen
+
+
+def kl_anchor(model: F, kl_coef: float) -> F | None:
+    """What a KL penalty pulls towards: ``model`` as it starts, frozen (on resume too:
+    set-up rebuilds it); None when ``kl_coef`` is 0, which skips the reference model."""
+    return frozen_copy(model) if kl_coef > 0 else None
 
 
 class Replicas(Generic[R]):
@@ -143,3 +168,17 @@ class Replicas(Generic[R]):
     def load_state_dict(self, state: dict[str, Any]) -> None:
         with self._lock:
             self._history = {int(version): weights for version, weights in state.items()}
+
+
+class ReplicatedRollouts:
+    """A trainer whose rollout side is :class:`Replicas` of its trained weights (mixed in
+    before its Trainer base): a sync puts ``rollout_weights()`` into them."""
+
+    replicas: Replicas[Any]
+
+    def rollout_weights(self) -> State:
+        """The trained weights the rollout side generates with."""
+        raise NotImplementedError
+
+    def sync_weights(self, version: int) -> None:
+        self.replicas.sync(self.rollout_weights(), version)

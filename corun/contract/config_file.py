@@ -18,11 +18,13 @@ from corun.base.config import Config, apply_override
 from corun.base.errors import ConfigError
 from corun.contract.registry import resolve_trainer
 from corun.contract.trainer import overrides as overrides_hook
+from corun.recipes import locate
 
 
 def load_config(path: str | Path, overrides: list[str] | tuple[str, ...] = ()) -> Config:
-    """Read, override and validate a config file; raise ConfigError with one clear line."""
-    path = Path(path)
+    """Read, override and validate a config file (or a shipped recipe, by name: corun/recipes/);
+    raise ConfigError with one clear line."""
+    path = locate(path)
     try:
         raw = tomllib.loads(path.read_text())
     except FileNotFoundError:

@@ -1,4 +1,9 @@
-"""``corun train|serve|validate|bench``: the only place that owns argv, signals and exit codes.
+"""``corun train|serve|validate|simulate|bench|recipes``: the only place that owns argv,
+signals and exit codes.
+
+A config is a TOML file, or the name of a recipe corun ships (corun/recipes/: ``corun
+train grpo``); ``corun recipes`` lists them, ``corun recipes copy grpo [DEST]`` copies
+one out to edit. ``corun bench`` runs corun/bench/'s suites (imported only for it).
 
 ``corun serve`` serves the OpenAI-compatible endpoint for a config's policy — its run's
 latest checkpoint, or its initial weights — without training, and prints
@@ -31,7 +36,6 @@ imports), a signal ends the process at once, quietly, with 130/143.
 from __future__ import annotations
 
 import argparse
-import importlib
 import logging
 import os
 import shutil
@@ -55,10 +59,11 @@ from corun.contract.registry import resolve_trainer
 from corun.contract.trainer import Outcome, Trainer
 from corun.execution import compute, distributed, procs
 from corun.host.early_signals import exit_on_signals
+from corun.host.runs import run
 from corun.loop.deadlines import DeadlineError
 from corun.loop.session import Session
 from corun.loop.teardown import RunControl
-from corun.loop.template import run
+from corun.recipes import is_name, locate, names, shipped, summary
 from corun.records import checkpoint
 from corun.records.events import EVENTS_FILE, EventLog
 from corun.scale import launch
@@ -84,17 +89,22 @@ def _parser() -> argparse.ArgumentParser:
         ("simulate", "run the loop template on a virtual clock against a latency model"),
     ):
         sub = commands.add_parser(name, help=text, description=text)
-        sub.add_argument("config", help="path to a TOML config")
+        sub.add_argument("config", help="a TOML config file, or a recipe's name (corun recipes)")
         sub.add_argument("overrides", nargs="*", metavar="KEY.PATH=VALUE", help="config overrides")
         if name == "simulate":  # corun/sim/simulate.py
             sub.add_argument("--fit", metavar="RUN_DIR", help="fit the model to a run's records")
             sub.add_argument("--out", metavar="DIR", help="default runs/simulate/<run.name>")
+    from corun.bench.suite import add_arguments  # the suites' own parser: no imports of theirs
+
     text = "run the throughput suites; report.md and plots in a run directory"
-    bench = commands.add_parser("bench", help=text, description=text)
-    bench.add_argument("suite", nargs="?", default="all", help="suite[,suite...] (default: all)")
-    bench.add_argument("--quick", action="store_true", help="small grids (about 2 minutes)")
-    bench.add_argument("--out", metavar="DIR", help="default runs/bench-<timestamp>")
-    bench.add_argument("--grid", choices=("full", "quick", "tiny"), help=argparse.SUPPRESS)
+    add_arguments(commands.add_parser("bench", help=text, description=text))
+    text = "list the recipes corun ships (corun train NAME trains one)"
+    recipes = commands.add_parser("recipes", help=text, description=text)
+    text = "copy a recipe out to edit it"
+    copy = recipes.add_subparsers(dest="action", parser_class=_Parser).add_parser(
+        "copy", help=text, description=text)  # fmt: skip
+    copy.add_argument("name", help="the recipe's name")
+    copy.add_argument("dest", nargs="?", default=".", help="a file or folder (default: .)")
     return parser
 
 
@@ -105,8 +115,13 @@ def main(argv: list[str] | None = None) -> int:
     if args.command in ("bench", "simulate"):
         _raise_on_signals()  # long work of their own, whose `finally` blocks must run
     if args.command == "bench":
-        return _bench(args)
+        from corun.bench.suite import run as bench
+
+        return bench(args)
     try:
+        if args.command == "recipes":
+            return _recipes(args.action, getattr(args, "name", ""), getattr(args, "dest", "."))
+        _check_config(args.config)
         if args.command == "simulate":
             from corun.sim.simulate import cli_main
 
@@ -133,16 +148,29 @@ def main(argv: list[str] | None = None) -> int:
         return _SIGNAL_EXIT["SIGINT"]
 
 
-def _bench(args: argparse.Namespace) -> int:
-    """``corun bench``: benchmarks/suite.py of this source checkout (corun itself never
-    imports benchmarks; an installed corun without the checkout has none)."""
-    root = str(Path(__file__).resolve().parents[1])
-    if not (Path(root) / "benchmarks" / "suite.py").exists():
-        print("corun: error: corun bench needs a source checkout (benchmarks/)", file=sys.stderr)
-        return EXIT_USAGE
-    if root not in sys.path:
-        sys.path.insert(0, root)
-    return int(importlib.import_module("benchmarks.suite").run(args))
+def _check_config(config: str) -> None:
+    """A bare name that is neither a file nor a recipe: one line naming the recipes."""
+    if not Path(config).suffix and is_name(config) and not locate(config).exists():
+        raise UsageError(f"{config}: no such config file or recipe (recipes: "
+                         f"{', '.join(names())})")  # fmt: skip
+
+
+def _recipes(action: str | None, name: str, dest: str) -> int:
+    """``corun recipes``: each recipe and its summary; ``corun recipes copy NAME [DEST]``:
+    the recipe as a file of one's own (never over an existing one)."""
+    if action is None:
+        width = max(map(len, names()))
+        print("\n".join(f"{recipe:<{width}}  {summary(recipe)}" for recipe in names()))
+        return EXIT_OK
+    recipe = shipped(name)
+    if recipe is None:
+        raise UsageError(f"{name}: no such recipe (recipes: {', '.join(names())})")
+    target = Path(dest) / recipe.name if Path(dest).is_dir() else Path(dest)
+    if target.exists():
+        raise UsageError(f"{target}: exists already; copy {recipe.stem} elsewhere or remove it")
+    shutil.copyfile(recipe, target)
+    print(f"corun: copied recipe {recipe.stem} to {target} (corun train {target})")
+    return EXIT_OK
 
 
 def _rank_main(config: Config, serve_only: bool) -> int:

@@ -13,8 +13,8 @@ from corun.base.config import Config
 from corun.contract.registry import resolve_trainer
 from corun.contract.trainer import Trainer
 from corun.execution.compute import blocking_io
+from corun.host.runs import run
 from corun.loop.session import Session
-from corun.loop.template import run
 
 
 @asynccontextmanager

@@ -1,5 +1,6 @@
 """Saving a run: when (the loop asks the cadence), what (a snapshot taken between steps
-on the train lane), and how (written in the background, drained at teardown).
+on the train lane), and how (written in the background, drained at teardown); and
+resuming one: the restored state loaded into the set-up trainer.
 
 The step loop snapshots the trainer's state and goes on training while the files are
 written. A failed write fails the run: the error is recorded, the run is stopped
@@ -11,16 +12,18 @@ ones (the window's gradients are not state).
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import anyio
 import anyio.abc
 
 from corun.base.config import Config
-from corun.contract.trainer import Outcome
+from corun.base.errors import CheckpointError
+from corun.contract.trainer import OptimizerSpec, Outcome, Stateful, Trainer
 from corun.execution import distributed
-from corun.execution.compute import Lane, blocking_io
+from corun.execution.compute import Lane, blocking_io, call_hook
+from corun.loop.cadence import Cadence
 from corun.loop.clock import Clock
 from corun.loop.kept_rollouts import KeptRollouts
 from corun.loop.teardown import RunControl
@@ -31,9 +34,10 @@ from corun.records.events import EventLog, Trace
 class Checkpointer:
     def __init__(
         self, config: Config, run_id: str, clock: Clock, events: EventLog, trace: Trace,
-        control: RunControl, lane: Lane, state: Callable[[], Any], *, resumed: bool,
+        control: RunControl, lane: Lane, trainer: Trainer[Any], *, resumed: bool,
     ) -> None:  # fmt: skip
         self.config = config
+        self.cadence = Cadence.of(config)
         self.run_dir = config.run_dir
         self.run_id = run_id
         self.clock = clock
@@ -41,7 +45,8 @@ class Checkpointer:
         self.trace = trace
         self.control = control
         self.lane = lane  # where snapshots are taken: between steps, never mid-update
-        self.state = state  # the tensors to save, as live references
+        self.trainer = trainer
+        self.kept: dict[str, Stateful] = {}  # what the trainer's set-up registered to keep
         # Finished, untrained rollout batches: kept with each save (checkpoint.keep_rollouts).
         self.rollouts = KeptRollouts(config, clock, events)
         self.last_saved = clock.step if resumed else -1
@@ -57,6 +62,34 @@ class Checkpointer:
         """The task group the writes run in: outside the run's cancel scope, so an
         interrupt never cuts a write short (the rename makes each one atomic anyway)."""
         self._tasks = tasks
+
+    async def restore(
+        self, state: checkpoint.TrainerState, tensors: Any, optimizers: Iterable[OptimizerSpec]
+    ) -> None:
+        """Load a checkpoint's tensors into the set-up trainer (its kept components and
+        kept rollout batches too); refused with one line if they do not fit."""
+        try:
+            await call_hook(self.lane, self.trainer.load_state_dict, tensors["trainer"])
+            for name, component in self.kept.items():
+                component.load_state_dict(tensors.get("kept", {})[name])
+            checkpoint.check_optimizers(spec.optimizer for spec in optimizers)
+        except Exception as exc:  # torch raises many types for tensors that do not fit
+            where = checkpoint.resume_point(self.config)
+            raise CheckpointError(f"{where}: does not fit this trainer: {exc}") from None
+        if state.config_digest != self.config.digest():
+            self.events.emit("config_changed", state.step, was=state.config_digest)
+        self.events.emit("restore", state.step, version=state.version, cursor=state.data_cursor)
+        self.rollouts.restore(tensors.get("rollouts"), state.step)
+
+    def state(self) -> dict[str, Any]:
+        """What a checkpoint holds (live references; a save snapshots them)."""
+        kept = {name: component.state_dict() for name, component in self.kept.items()}
+        return {"trainer": self.trainer.state_dict(), "kept": kept}
+
+    async def after(self, step: int) -> None:
+        """The save after step ``step``, if the cadence has one there."""
+        if self.cadence.saves(step):
+            await self.save()
 
     async def save(self) -> None:
         """Snapshot now (the weights keep training), write in the background."""

@@ -22,11 +22,15 @@ only). A checkpoint records both, so a resumed run trains every index once.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import anyio
 
 from corun.base import timebase
 from corun.base.config import LoopConfig
+
+if TYPE_CHECKING:
+    from corun.records.checkpoint import TrainerState
 
 
 @dataclass
@@ -69,6 +73,16 @@ class Clock:
             done=step,
             slots=step,
         )
+
+    @classmethod
+    def resume(cls, loop: LoopConfig, state: TrainerState | None) -> Clock:
+        """The clock of a fresh run (no ``state``), or of one resumed from a checkpoint."""
+        if state is None:
+            return cls.start(loop, step=0, version=0, cursor=0, trained_ahead=[])
+        return cls.start(
+            loop, step=state.step, version=state.version, cursor=state.data_cursor,
+            trained_ahead=state.trained_ahead,
+        )  # fmt: skip
 
     def admissible(self) -> bool:
         ahead = self.slots - self.done
@@ -138,6 +152,16 @@ class Clock:
     def inflight(self) -> int:
         """Batches admitted and not yet trained, counting the one in the current step."""
         return self.slots - self.done
+
+    def async_metrics(self, staleness: int) -> dict[str, float]:
+        """A step's ``async/*`` metrics above concurrency 1, its batch ``staleness``
+        versions old (one batch per step: the step's mean and max)."""
+        if self.concurrency == 1:
+            return {}
+        return {
+            "async/staleness_mean": float(staleness), "async/staleness_max": float(staleness),
+            "async/inflight": float(self.inflight), "async/dropped": float(self.dropped),
+        }  # fmt: skip
 
     def publish(self, version: int) -> None:
         """The rollout engine now holds ``version``."""

@@ -14,9 +14,10 @@ Teardown then runs in order as after any error, and ``corun`` ends the process e
 though an abandoned thread is still stuck. In inline compute mode (no threads) a
 blocking call cannot be cut short: deadlines bound awaits only.
 
-The settings: ``run.sync_timeout_s`` (the loop's weight sync: ``sync_weights`` and the
-Ray publish); an engine's own under ``[trainer.engine_options]`` for the hf kinds
-(``start_timeout_s``, ``request_timeout_s``, ``shutdown_timeout_s``: trainers/hf/engines.py,
+The settings: ``run.sync_timeout_s`` (the loop's weight sync, corun/loop/sync.py:
+``sync_weights`` and the remote workers' publish); an engine's own under
+``[trainer.engine_options]`` for the hf kinds
+(``start_timeout_s``, ``request_timeout_s``, ``shutdown_timeout_s``: corun/engines/start.py,
 through :class:`BoundedEngine`).
 """
 
@@ -28,10 +29,8 @@ from contextlib import contextmanager
 import anyio
 from torch import Tensor
 
-from corun.base.config import Config
 from corun.contract.engine import Engine, EngineError, Generation, Sampling
 from corun.execution.compute import ABANDON_GRACE_S, abandoning
-from corun.records.events import Trace
 
 
 class DeadlineError(RuntimeError):
@@ -49,17 +48,6 @@ def deadline(what: str, timeout_s: float, setting: str) -> Iterator[None]:
         yield
     if scope.cancelled_caught and anyio.current_time() >= scope.deadline:
         raise DeadlineError(f"{what} did not finish within {timeout_s:g} s ({setting})")
-
-
-@contextmanager
-def sync(trace: Trace, config: Config, version: int) -> Iterator[None]:
-    """The loop's weight sync to ``version``: its trace span, under run.sync_timeout_s."""
-    with (
-        trace.span("sync", "trainer", version=version),
-        deadline(f"weight sync to version {version}", config.run.sync_timeout_s,
-                 "run.sync_timeout_s"),
-    ):  # fmt: skip
-        yield
 
 
 class BoundedEngine:

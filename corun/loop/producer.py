@@ -2,7 +2,7 @@
 batches, each started only when the clock admits it, and tagged with the weight
 version it was made with.
 
-Kept apart from loop.py so the train side stays one readable loop. Here live the
+Kept apart from template.py so the train side stays one readable loop. Here live the
 parts that only async mode exercises: several workers on their own lanes, the
 reorder buffer of start-order consumption, and the queue of data indexes whose
 batches were dropped as too stale and must be generated again.
@@ -16,16 +16,16 @@ from typing import Any
 
 import anyio.abc
 
-from corun.base import timebase
 from corun.base.config import Config
 from corun.base.rng import rollout_generator
 from corun.contract.data import Dataset
 from corun.contract.trainer import Batch, RolloutContext, Trainer
 from corun.execution.compute import Lane
 from corun.loop.clock import Clock, IdleTimes
+from corun.loop.extensions import RemoteRollouts
 from corun.loop.kept_rollouts import KeptRollouts
+from corun.loop.phases import stopwatch, timed_span
 from corun.records.events import Trace
-from corun.scale.ray_workers import RayWorkers
 
 
 class Producer:
@@ -47,7 +47,7 @@ class Producer:
     def __init__(
         self, trainer: Trainer[Any], dataset: Dataset, lanes: list[Lane], clock: Clock,
         idle: IdleTimes, trace: Trace, config: Config, stop: int,
-        kept: KeptRollouts, remote: RayWorkers | None = None,
+        kept: KeptRollouts, remote: RemoteRollouts | None = None,
     ) -> None:  # fmt: skip
         self.trainer = trainer
         self.dataset = dataset
@@ -59,7 +59,7 @@ class Producer:
         self.seed = config.run.seed
         self.fixed_schedule = config.loop.version_schedule == "fixed"
         self.stop = stop  # one past the last data index of the run
-        self.remote = remote  # Ray actors run the rollouts, one per worker, not the lanes
+        self.remote = remote  # workers in other processes run the rollouts, not the lanes
         # An async rollout (an engine behind I/O) runs on the loop, with no thread hop.
         self.rollout_is_async = inspect.iscoroutinefunction(trainer.rollout)
         self._next_new = clock.cursor
@@ -108,7 +108,6 @@ class Producer:
     async def _rollout(
         self, worker: int, lane: Lane, track: str, index: int, slot: int, attempt: int
     ) -> Batch:
-        started = timebase.monotonic()
         self.idle.rollouts_started += 1
         scheduled = self.clock.scheduled_version(slot) if self.fixed_schedule else None
         ctx = RolloutContext(
@@ -116,7 +115,7 @@ class Producer:
             lane=lane, trace=self.trace, track=track,
         )  # fmt: skip
         version = self.clock.published if scheduled is None else scheduled
-        with self.trace.span("rollout", track, index=index):
+        with timed_span(self.trace, "rollout", track, index=index) as rollout:
             if self.remote is not None:
                 inputs = self.dataset.batch(index)
                 result = await self.remote.rollout(worker, inputs, ctx, version)
@@ -128,7 +127,7 @@ class Producer:
         if batch.version < 0:  # the trainer did not say which weights it used
             batch.version = version
         batch.index = index
-        batch.metrics = {**batch.metrics, "perf/rollout_time_s": timebase.monotonic() - started}
+        batch.metrics = {**batch.metrics, "perf/rollout_time_s": rollout.seconds}
         return batch
 
     async def _claim(self) -> tuple[int, int]:
@@ -140,11 +139,11 @@ class Producer:
         a dropped batch may still put its index back.
         """
         while True:
-            waiting = timebase.monotonic()
-            while not (self._first or self._requeued) and self._upcoming() >= self.stop:
-                await self._work_added.wait()
-            slot = await self.clock.admit()
-            self.idle.generator_s += timebase.monotonic() - waiting
+            with stopwatch() as waited:
+                while not (self._first or self._requeued) and self._upcoming() >= self.stop:
+                    await self._work_added.wait()
+                slot = await self.clock.admit()
+            self.idle.generator_s += waited.seconds
             if self._first:
                 index = self._first.pop(0)
             elif self._requeued:

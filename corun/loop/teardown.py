@@ -28,6 +28,8 @@ import anyio
 import anyio.to_thread
 
 from corun.base import timebase
+from corun.base.errors import first_error, is_cancellation
+from corun.contract.trainer import Outcome
 from corun.execution.compute import ABANDON_GRACE_S, abandoning
 from corun.records.events import EventLog
 
@@ -68,6 +70,17 @@ class RunControl:
         if self.reason is not None:
             root.cancel()
 
+    def outcome(self, failure: BaseException | None, step: int) -> Outcome:
+        """How a run ended at ``step``, given its first error (or cancellation) and the
+        stops it was sent."""
+        if failure is None and not self.stopped:
+            return Outcome("done", step)
+        if failure is not None and not is_cancellation(failure):
+            return Outcome("error", step, error=first_error(failure))
+        if self.stopped and self.reason != "error":
+            return Outcome("interrupted", step, signal=self.signal)
+        return Outcome("cancelled", step)
+
 
 @dataclass
 class TeardownStep:
@@ -87,14 +100,17 @@ class Teardown:
         self.control = control
         self.timeout_s = timeout_s
         self.steps: list[TeardownStep] = []
-        self.step = 0  # the run's step, for event records
+        self.step = 0  # the run's step when stopped, for event records
 
     def push(self, name: str, fn: Callable[[], Any], optional: bool = False) -> None:
         self.steps.append(TeardownStep(name, fn, optional))
 
-    async def run(self) -> BaseException | None:
-        """Run every step in reverse; return the first error (not raised here)."""
-        first_error: BaseException | None = None
+    async def run(self, at_step: int) -> BaseException | None:
+        """Run every step in reverse, the run stopped at ``at_step``; return the first
+        error (not raised here)."""
+        self.step = at_step
+        self.events.emit("teardown:stop", at_step, status="ok")
+        first: BaseException | None = None
         while self.steps:
             step = self.steps.pop()
             if step.optional and self.control.urgent:
@@ -121,11 +137,11 @@ class Teardown:
             if error is not None:
                 fields["error"] = f"{type(error).__name__}: {error}"
                 log.error("teardown step %s failed: %s", step.name, fields["error"])
-                first_error = first_error or error
+                first = first or error
             elif status == "timeout":
                 log.error("teardown step %s timed out after %.1f s", step.name, self.timeout_s)
             self.events.emit(f"teardown:{step.name}", self.step, **fields)
-        return first_error
+        return first
 
 
 async def _call(fn: Callable[[], Any], inline: bool) -> None:
@@ -140,3 +156,14 @@ async def _call(fn: Callable[[], Any], inline: bool) -> None:
         result = await anyio.to_thread.run_sync(fn, abandon_on_cancel=True)
     if inspect.isawaitable(result):
         await result
+
+
+def record_end(events: EventLog, step: int, outcome: Outcome) -> None:
+    """The run's last event, ``end``: how it ended; then the event log is closed."""
+    fields: dict[str, Any] = {"reason": outcome.reason}
+    if outcome.signal:
+        fields["signal"] = outcome.signal
+    if outcome.error is not None:
+        fields["error"] = f"{type(outcome.error).__name__}: {outcome.error}"
+    events.emit("end", step, **fields)
+    events.close()

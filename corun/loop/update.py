@@ -37,6 +37,7 @@ from typing import Any
 
 import torch
 
+from corun.base.config import Config
 from corun.base.rng import update_generator
 from corun.contract.trainer import DEFAULT_OPTIMIZER, Batch, OptimizerSpec, Part, Trainer, overrides
 from corun.execution import distributed
@@ -60,6 +61,25 @@ class Updater:
         # The window's batches so far, with their update generators: mini-batches
         # after the first revisit them once the step before has been applied.
         self._pending: list[tuple[Batch, torch.Generator]] = []
+
+    @classmethod
+    def of(
+        cls, trainer: Trainer[Any], optimizers: Sequence[OptimizerSpec], config: Config
+    ) -> Updater | None:
+        """The protocol around ``trainer``'s loss; None for a trainer that owns
+        ``train_step`` (or has no loss)."""
+        if overrides(trainer, "train_step") or not overrides(trainer, "loss"):
+            return None
+        if not optimizers:
+            raise TypeError(
+                f"{type(trainer).__name__} defines a loss but registers no optimizer "
+                "(ctx.add_optimizer in setup)"
+            )
+        loop = config.loop
+        return cls(
+            trainer, optimizers, window=loop.accumulate, mini_batches=loop.mini_batches,
+            seed=config.run.seed,
+        )  # fmt: skip
 
     def train(self, batch: Batch, window_pos: int) -> dict[str, float]:
         """Backpropagate ``batch`` (the ``window_pos``-th of its window) and, if it ends

@@ -50,7 +50,6 @@ from corun.contract.engine import EngineError
 from corun.contract.trainer import Batch, RolloutContext, Trainer
 from corun.execution.compute import Lane
 from corun.loop.clock import Clock
-from corun.loop.teardown import Teardown
 from corun.records.events import EventLog
 from corun.scale.ray_cluster import LocalCluster, connect
 
@@ -157,22 +156,10 @@ class RayWorkers:
         self._connected = False
 
     @classmethod
-    async def open(
-        cls, trainer: Trainer[Any], config: Config, num_workers: int, clock: Clock,
-        events: EventLog, lane: Lane, teardown: Teardown,
-    ) -> RayWorkers | None:  # fmt: skip
-        """The run's Ray workers, their teardown step pushed (None unless
-        ``rollout.backend = "ray"``: then rollouts run on the producer's lanes)."""
-        if config.rollout.backend != "ray":
-            return None
-        workers = await cls.start(trainer, config, num_workers, clock, events, lane)
-        teardown.push("rollout_workers", workers.stop)
-        return workers
-
-    @classmethod
     async def start(cls, trainer: Trainer[Any], config: Config, num_workers: int,
                     clock: Clock, events: EventLog, lane: Lane) -> RayWorkers:  # fmt: skip
-        """Connect (or start a local cluster), start the actors, publish the weights."""
+        """Connect (or start a local cluster), start the actors, publish the weights
+        (the run's remote rollouts: corun/loop/extensions.py; assembled by corun/host/runs.py)."""
         import inspect
 
         if not isinstance(trainer, RemoteRollout) or inspect.iscoroutinefunction(trainer.rollout):

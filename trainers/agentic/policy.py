@@ -13,10 +13,10 @@ import torch
 from torch import Tensor
 
 from corun import Lane, RolloutContext, stable_seed
+from corun.agents.runner import Codec, Generated, TurnFn, run_episodes
 from corun.contract.episodes import Environment, Episode
 from trainers.agentic import calculator
 from trainers.agentic.calculator import CalculatorEnv, EnvSettings, Problem
-from trainers.agentic.runner import Codec, Generated, TurnFn, run_episodes
 from trainers.lm.model import ModelConfig, TinyLM, decode
 
 CODEC = Codec(calculator.encode, calculator.decode, calculator.encode_observation, calculator.PAD)

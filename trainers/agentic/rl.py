@@ -4,7 +4,7 @@
 What differs from the single-turn LM trainers lives here: the policy's vocabulary and
 length (the calculator task's), the dataset (problems), an ``async def`` rollout that
 runs a group of ``samples_per_prompt`` episodes per problem through their
-environments (trainers/agentic/runner.py) and scores them by their rewards, and an
+environments (corun/agents/runner.py) and scores them by their rewards, and an
 evaluation that runs greedy episodes on held-out problems. The algorithms' own
 pieces — group advantages, GAE, the clipped (and decoupled) policy loss over the
 policy's tokens only — are GRPO's and PPO's, unchanged.
@@ -18,10 +18,12 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
+import msgspec
 import torch
 from torch import Tensor
 
 from corun import Batch, ConfigError, RolloutContext, SetupContext, world
+from corun.agents.runner import Generated
 from corun.contract.episodes import Environment, Episode
 from trainers.agentic import calculator
 from trainers.agentic.calculator import EnvSettings, Problem, Problems
@@ -32,15 +34,15 @@ from trainers.agentic.policy import (
     evaluate_agent,
     run_agent,
 )
-from trainers.agentic.runner import Generated
 from trainers.agentic.serving import CalculatorPolicy
 from trainers.lm.engine import LocalEngine, Rollouts
-from trainers.lm.grpo import GRPOAlgorithm, GRPOConfig
+from trainers.lm.grpo import GRPO, GRPOConfig
 from trainers.lm.model import TinyLM
 from trainers.lm.policy import policy_from
-from trainers.lm.policy_gradient import PolicyGradientTrainer, Scored
-from trainers.lm.ppo import PPOAlgorithm, PPOConfig
-from trainers.lm.settings import PositiveInt
+from trainers.lm.policy_gradient import Scored
+from trainers.lm.ppo import PPO, PPOConfig
+from trainers.lm.rl import TinyLMPolicyGradient
+from trainers.lm.settings import PositiveInt, with_settings
 from trainers.pg import fill_failed
 
 # Where episodes come from: the trainer's own environments, or submitted from outside
@@ -48,27 +50,30 @@ from trainers.pg import fill_failed
 Source = Literal["environments", "submitted"]
 
 
-class AgenticConfig(GRPOConfig, frozen=True, forbid_unknown_fields=True, kw_only=True):
-    task: Literal["calculator"] = "calculator"  # type: ignore[assignment]
-    env: EnvSettings = EnvSettings()  # [trainer.env]: tool latency, limits
-    eval_size: PositiveInt = 256  # held-out problems per evaluation
-    episodes: Source = "environments"
+class AgenticSettings(msgspec.Struct, frozen=True, kw_only=True):
+    """What episodes add to GRPO's and PPO's settings (keys of [trainer] itself;
+    with_settings builds the two configs)."""
 
-    def __post_init__(self) -> None:
-        super().__post_init__()
-        if self.dynamic_sampling:
-            raise ValueError("`$.dynamic_sampling` draws more prompts; episodes do not")
-
-
-class AgenticPPOConfig(PPOConfig, frozen=True, forbid_unknown_fields=True, kw_only=True):
-    task: Literal["calculator"] = "calculator"  # type: ignore[assignment]
+    task: Literal["calculator"] = "calculator"
     env: EnvSettings = EnvSettings()  # [trainer.env]: tool latency, limits
     eval_size: PositiveInt = 256  # held-out problems per evaluation
     episodes: Source = "environments"
 
 
-class AgenticEpisodes(PolicyGradientTrainer[Any]):
-    """The episode side, mixed in before an algorithm (GRPOAlgorithm, PPOAlgorithm)."""
+def check_agentic_config(config: Any) -> None:
+    if getattr(config, "dynamic_sampling", False):
+        raise ValueError("`$.dynamic_sampling` draws more prompts; episodes do not")
+
+
+AgenticConfig = with_settings("AgenticConfig", GRPOConfig, AgenticSettings, check_agentic_config)
+AgenticPPOConfig = with_settings(
+    "AgenticPPOConfig", PPOConfig, AgenticSettings, check_agentic_config
+)
+
+
+class AgenticEpisodes(TinyLMPolicyGradient[Any]):
+    """TinyLM policy-gradient training on multi-turn episodes; the algorithm is the
+    subclass's (``Algorithm``)."""
 
     # Under torchrun each rank runs the groups of its shard of the problems (whole
     # groups: fill_failed and the advantages stay per group); environment seeds are
@@ -82,6 +87,7 @@ class AgenticEpisodes(PolicyGradientTrainer[Any]):
                 "episodes arrive unsharded); run it with run.nproc = 1"
             )
         super().setup(ctx)
+        self.eval_problems = calculator.eval_problems(self.config.eval_size)
         self.train_lane = ctx.lane
         self.inbox = ctx.inbox
         if self.config.episodes == "submitted":
@@ -102,9 +108,6 @@ class AgenticEpisodes(PolicyGradientTrainer[Any]):
     def initial_policy(self) -> TinyLM:
         cfg = self.config
         return policy_from(cfg.init_from) if cfg.init_from else build_agent(cfg)
-
-    def setup_task(self) -> None:
-        self.eval_problems = calculator.eval_problems(self.config.eval_size)
 
     def dataset(self) -> Problems:
         return Problems(self.run_config.data.batch_size, self.run_config.run.seed)
@@ -130,7 +133,7 @@ class AgenticEpisodes(PolicyGradientTrainer[Any]):
         scored = Scored(rollouts, prompts, fill_failed(rewards, trainable, n))
         metrics = {f"rollout/{k}": v for k, v in episode_metrics(episodes, tasks).items()}
         metrics["perf/env_wait_time_s"] = sum(e.env_wait_s for e in episodes)
-        return Batch(self.training_data(scored), metrics, version=rollouts.version)
+        return Batch(self.algorithm.training_data(scored), metrics, version=rollouts.version)
 
     def _sampler(self, ctx: RolloutContext) -> Any:
         """The turn generator of one rollout, run on its worker's lane: the engine copy it
@@ -153,7 +156,7 @@ class AgenticEpisodes(PolicyGradientTrainer[Any]):
         return generate
 
     # ---- evaluation: greedy episodes on held-out problems, no tool latency
-    async def evaluate(self) -> dict[str, float]:  # type: ignore[override]
+    async def evaluate(self) -> dict[str, float]:
         return await evaluate_agent(
             self.policy, self.eval_problems, self.config.env, self.train_lane, self.make_env
         )
@@ -186,9 +189,11 @@ def to_rollouts(episodes: list[Episode], version: int) -> Rollouts:
     )
 
 
-class AgenticGRPOTrainer(AgenticEpisodes, GRPOAlgorithm):
+class AgenticGRPOTrainer(AgenticEpisodes):
     Config = AgenticConfig
+    Algorithm = GRPO
 
 
-class AgenticPPOTrainer(AgenticEpisodes, PPOAlgorithm):
+class AgenticPPOTrainer(AgenticEpisodes):
     Config = AgenticPPOConfig
+    Algorithm = PPO

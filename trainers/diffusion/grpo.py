@@ -16,7 +16,6 @@ import torch
 from torch import Tensor
 
 from corun import Batch, Part, RolloutContext, SetupContext, shared_count
-from corun.host.prerequisites import is_config
 from trainers.diffusion.base import FlowTrainer
 from trainers.diffusion.flow_rl import (
     FlowGRPOSettings,
@@ -29,7 +28,7 @@ from trainers.diffusion.flow_rl import (
 from trainers.diffusion.model import FlowDiT, build_model, load_model, model_from
 from trainers.diffusion.settings import FlowTrainerConfig
 from trainers.diffusion.shapes import ShapeBatch
-from trainers.weights import Replicas, frozen_copy
+from trainers.weights import Replicas, ReplicatedRollouts, frozen_copy, kl_anchor, warm_start_runs
 
 
 class FlowGRPOConfig(FlowTrainerConfig, frozen=True, forbid_unknown_fields=True, kw_only=True):
@@ -45,20 +44,20 @@ class FlowGRPOConfig(FlowTrainerConfig, frozen=True, forbid_unknown_fields=True,
         return Sampling(self.sample_steps, self.shift, self.cfg_scale)
 
 
-class FlowGRPOTrainer(FlowTrainer[FlowGRPOConfig]):
+class FlowGRPOTrainer(ReplicatedRollouts, FlowTrainer[FlowGRPOConfig]):
     Config = FlowGRPOConfig
     # Under torchrun each rank samples whole groups (its shard of the prompts), and the
     # loss is a mean over every rank's images (shared_count).
     data_parallel = True
 
     def prerequisites(self) -> list[str]:
-        return [self.config.init_from] if is_config(self.config.init_from) else []
+        return warm_start_runs(self.config.init_from)
 
     def setup(self, ctx: SetupContext) -> None:
         cfg = self.config
         check_data_parallel(cfg.grpo)
         self.model = model_from(cfg.init_from) if cfg.init_from else build_model(cfg.model_config())
-        self.reference = frozen_copy(self.model) if cfg.grpo.kl_coef > 0 else None
+        self.reference = kl_anchor(self.model, cfg.grpo.kl_coef)
         self.finish_setup(ctx, cfg.lr)
         ctx.add_optimizer(self.optimizer, grad_clip=cfg.grad_clip)
         # The sampler is the rollout engine: its own weights, replaced only by a sync.
@@ -96,9 +95,9 @@ class FlowGRPOTrainer(FlowTrainer[FlowGRPOConfig]):
         )
         return loss / part.micros, metrics
 
-    # ---- sync
-    def sync_weights(self, version: int) -> None:
-        self.replicas.sync(self.model.state_dict(), version)
+    # ---- sync: the sampler takes the trained weights
+    def rollout_weights(self) -> dict[str, Tensor]:
+        return self.model.state_dict()
 
 
 def sampler_replica(model: FlowDiT) -> Any:

@@ -7,8 +7,8 @@ from __future__ import annotations
 import torch
 
 from corun.contract.engine import Sampling
+from corun.engines import decode
 from corun.execution.compute import Lane
-from trainers.hf import decode
 from trainers.hf.policy import ChatFormat, HFPolicy
 from trainers.hf.rewards import Rewards
 from trainers.hf.tasks import Example

@@ -13,15 +13,16 @@ sample with.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Literal
+from typing import TYPE_CHECKING
 
 import msgspec
 import torch
 from torch import Tensor, nn
 
 from corun import ConfigError
+from corun.engines.decode import positions
+from trainers.hf.prompts import Prompt
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel, PreTrainedTokenizerBase
@@ -30,22 +31,6 @@ PREFIX = "hf:"
 BUILT_IN = "tiny-llama"  # trainers/hf/tiny.py
 # Config keys of models whose logits are not lm_head(hidden): refused (see above).
 LOGIT_POSTPROCESSING = ("final_logit_softcapping", "logit_scale", "logits_scaling")
-
-
-class Message(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
-    role: Literal["system", "user", "assistant"]
-    content: str
-
-
-@dataclass(frozen=True)
-class Prompt:
-    """A prompt as data gives it: plain text, or chat messages."""
-
-    text: str = ""
-    messages: tuple[Message, ...] = ()
-
-    def __str__(self) -> str:
-        return self.text or "\n".join(f"{m.role}: {m.content}" for m in self.messages)
 
 
 def model_dir(spec: str, where: str) -> Path:
@@ -102,11 +87,6 @@ class HFPolicy(nn.Module):
 
     def config_json(self) -> str:
         return str(self.model.config.to_json_string(use_diff=False))
-
-
-def positions(attention_mask: Tensor) -> Tensor:
-    """Position ids counting real tokens only (0 at each row's first real token)."""
-    return (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
 
 
 def quiet_transformers() -> None:
@@ -210,15 +190,3 @@ class ChatFormat:
 
     def decode(self, ids: Sequence[int]) -> str:
         return str(self.tokenizer.decode(list(ids), skip_special_tokens=True))
-
-
-def left_pad(rows: Sequence[Sequence[int]], pad_id: int) -> tuple[Tensor, Tensor]:
-    """Rows of ids left-padded to one length: (ids, mask of real tokens)."""
-    width = max(len(row) for row in rows)
-    ids = torch.full((len(rows), width), pad_id, dtype=torch.long)
-    mask = torch.zeros((len(rows), width), dtype=torch.bool)
-    for i, row in enumerate(rows):
-        if row:
-            ids[i, width - len(row) :] = torch.tensor(row)
-            mask[i, width - len(row) :] = True
-    return ids, mask

@@ -23,18 +23,19 @@ from torch import Tensor
 
 from corun import Batch, ConfigError, Dataset, RolloutContext, SetupContext, world
 from corun.contract.engine import Engine, Generation, Sampling
-from trainers.hf.engines import EngineKind, check_engine, start_engine
+from corun.engines.decode import left_pad
+from corun.engines.options import EngineOptions
+from corun.engines.start import EngineKind, check_engine, start_engine
 from trainers.hf.evaluation import evaluate
-from trainers.hf.policy import ChatFormat, HFPolicy, left_pad
+from trainers.hf.policy import ChatFormat, HFPolicy
 from trainers.hf.rewards import Rewards
 from trainers.hf.state import hf_state, load_hf_state, load_model
 from trainers.hf.tasks import Example, WordProblems, eval_problems, prompt_batches, read_prompts
-from trainers.hf.vllm_engine import EngineOptions
 from trainers.lm.engine import Rollouts
-from trainers.lm.grpo import GRPOAlgorithm, GRPOConfig
+from trainers.lm.grpo import GRPO, GRPOConfig
 from trainers.lm.policy_gradient import PolicyGradientTrainer, Scored
-from trainers.lm.ppo import PPOAlgorithm, PPOConfig
-from trainers.lm.settings import LMTrainerConfig, PositiveInt
+from trainers.lm.ppo import PPO, PPOConfig
+from trainers.lm.settings import LMTrainerConfig, PositiveInt, with_settings
 from trainers.pg import fill_failed
 
 DEFAULT_REWARDS = {"numeric_match": 1.0}
@@ -53,8 +54,11 @@ def check_hf_config(config: Any) -> None:
         check_engine(config.engine, config.engine_options, config.inflight_at_sync == "interrupt")
 
 
-class HFGRPOConfig(GRPOConfig, frozen=True, forbid_unknown_fields=True, kw_only=True):
-    task: TaskName = "word-problems"  # type: ignore[assignment]  # data.path: a JSONL instead
+class HFSettings(msgspec.Struct, frozen=True, kw_only=True):
+    """What an hf: policy adds to GRPO's and PPO's settings (keys of [trainer] itself;
+    with_settings builds the two configs)."""
+
+    task: TaskName = "word-problems"  # data.path: a JSONL instead
     model: str  # "hf:<dir>": architecture, tokenizer, chat template (and weights, unless init_from)
     engine: EngineKind = "local"
     engine_options: EngineOptions = EngineOptions()  # [trainer.engine_options]
@@ -62,34 +66,21 @@ class HFGRPOConfig(GRPOConfig, frozen=True, forbid_unknown_fields=True, kw_only=
     system_prompt: str = ""
     max_new_tokens: PositiveInt = 8
 
-    def __post_init__(self) -> None:
-        super().__post_init__()
-        check_hf_config(self)
 
-
-class HFPPOConfig(PPOConfig, frozen=True, forbid_unknown_fields=True, kw_only=True):
-    task: TaskName = "word-problems"  # type: ignore[assignment]
-    model: str
-    engine: EngineKind = "local"
-    engine_options: EngineOptions = EngineOptions()
-    rewards: dict[str, float] = msgspec.field(default_factory=lambda: dict(DEFAULT_REWARDS))
-    system_prompt: str = ""
-    max_new_tokens: PositiveInt = 8
-
-    def __post_init__(self) -> None:
-        super().__post_init__()
-        check_hf_config(self)
+HFGRPOConfig = with_settings("HFGRPOConfig", GRPOConfig, HFSettings, check_hf_config)
+HFPPOConfig = with_settings("HFPPOConfig", PPOConfig, HFSettings, check_hf_config)
 
 
 class HFRollouts(PolicyGradientTrainer[Any]):
-    """The HF side, mixed in before an algorithm (GRPOAlgorithm, PPOAlgorithm)."""
+    """An hf: policy generating on an async rollout engine; the algorithm is the
+    subclass's (``Algorithm``)."""
 
-    policy: HFPolicy  # type: ignore[assignment]
-    engine: Engine  # type: ignore[assignment]
+    policy: HFPolicy
+    engine: Engine
     # Under torchrun each rank samples its shard's groups from its own local engine.
     data_parallel = True
 
-    async def setup(self, ctx: SetupContext) -> None:  # type: ignore[override]
+    async def setup(self, ctx: SetupContext) -> None:
         cfg, loop = self.config, self.run_config.loop
         if cfg.engine != "local" and world().parallel:
             raise ConfigError(
@@ -103,28 +94,27 @@ class HFRollouts(PolicyGradientTrainer[Any]):
             )
         self.train_lane = ctx.lane
         # The model, optimizer and task (blocking: loading weights) on the train lane.
-        await _on(ctx, super().setup, ctx)
+        await _on(ctx, self.build, ctx)
         self.engine = await start_engine(
             cfg.engine, cfg.engine_options, self.policy, self.chat.pad_id, ctx,
             interrupt=cfg.inflight_at_sync == "interrupt", wrap=self.wrap_engine,
         )  # fmt: skip
 
-    def setup_engine(self, ctx: SetupContext) -> None:
-        """Started by :meth:`setup` once the policy exists (engines start async)."""
-
     async def wrap_engine(self, engine: Engine) -> Engine:
         """The started engine as rollouts and syncs see it; a subclass may wrap it (to
-        instrument it; tests/faults.py injects faults). Within the start's deadline, and
+        instrument it; tests/support/faults.py injects faults). Within the start's deadline, and
         the wrapper's calls within the engine's (trainer.engine_options)."""
         return engine
 
-    def initial_policy(self) -> HFPolicy:  # type: ignore[override]
+    def initial_policy(self) -> HFPolicy:
         cfg = self.config
         policy, tokenizer = load_model(cfg.model, cfg.init_from, "`$.trainer.model`")
         self.chat = ChatFormat(tokenizer, cfg.system_prompt)
         return policy
 
-    def setup_task(self) -> None:
+    def build(self, ctx: SetupContext) -> None:
+        """The policy and what trains it, then the rewards and the held-out prompts."""
+        super().build(ctx)
         data = self.run_config.data
         self.rewards = Rewards(self.config.rewards, "`$.trainer.rewards`")
         if data.path:
@@ -145,7 +135,7 @@ class HFRollouts(PolicyGradientTrainer[Any]):
         return WordProblems(data.batch_size, seed)
 
     # ---- rollout
-    async def rollout(self, examples: list[Example], ctx: RolloutContext) -> Batch:  # type: ignore[override]
+    async def rollout(self, examples: list[Example], ctx: RolloutContext) -> Batch:
         cfg, n = self.config, self.config.samples_per_prompt
         started = time.monotonic()
         self.chat.check([e.prompt for e in examples], "`$.data.path`")
@@ -176,14 +166,14 @@ class HFRollouts(PolicyGradientTrainer[Any]):
             "perf/generate_time_s": generated - started,
             "perf/reward_time_s": time.monotonic() - generated,
         }
-        data = self.training_data(scored)
+        data = self.algorithm.training_data(scored)
         return Batch(data, metrics=metrics, version=rollouts.version)
 
     # ---- sync, evaluation, state
-    async def sync_weights(self, version: int) -> None:  # type: ignore[override]
+    async def sync_weights(self, version: int) -> None:
         await self.engine.update_weights(self.policy.weights(), version)
 
-    async def evaluate(self) -> dict[str, float]:  # type: ignore[override]
+    async def evaluate(self) -> dict[str, float]:
         cfg = self.config
         return await evaluate(
             self.policy, self.chat, self.eval_examples, cfg.max_new_tokens, self.rewards,
@@ -191,19 +181,14 @@ class HFRollouts(PolicyGradientTrainer[Any]):
         )  # fmt: skip
 
     def wandb_extra(self) -> dict[str, Any]:
-        return {
-            "model/num_params": self.policy.num_params(),
-            "model/source": str(self.policy.source),
-        }
+        return super().wandb_extra() | {"model/source": str(self.policy.source)}
 
     def state_dict(self) -> dict[str, Any]:
-        extra = {name: module.state_dict() for name, module in self.extra_modules.items()}
-        return hf_state(self.policy, self.optimizer, extra=extra)
+        return hf_state(self.policy, self.optimizer, extra=self.modules_state())
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         load_hf_state(state, self.policy, self.optimizer)
-        for name, module in self.extra_modules.items():
-            module.load_state_dict(state["extra"][name])
+        self.load_modules_state(state)
 
 
 async def _on(ctx: SetupContext, fn: Any, *args: Any) -> Any:
@@ -231,10 +216,11 @@ def to_rollouts(prompts: list[list[int]], generations: list[Generation], pad_id:
     )
 
 
-# HFRollouts' async setup runs GRPOAlgorithm's (a plain one) on the train lane.
-class HFGRPOTrainer(HFRollouts, GRPOAlgorithm):  # type: ignore[misc]
+class HFGRPOTrainer(HFRollouts):
     Config = HFGRPOConfig
+    Algorithm = GRPO
 
 
-class HFPPOTrainer(HFRollouts, PPOAlgorithm):
+class HFPPOTrainer(HFRollouts):
     Config = HFPPOConfig
+    Algorithm = PPO

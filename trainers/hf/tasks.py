@@ -14,7 +14,7 @@ from typing import Annotated
 import msgspec
 
 from corun import DataError, ShuffledBatches, read_jsonl, stable_seed
-from trainers.hf.policy import Message, Prompt
+from trainers.hf.prompts import Message, Prompt
 
 
 @dataclass(frozen=True)

@@ -16,7 +16,12 @@ from torch import Tensor
 
 from corun import ConfigError, RolloutContext, SetupContext, world
 from trainers.lm.engine import Rollouts
-from trainers.lm.policy_gradient import PolicyGradientTrainer, Proximal, RLConfig, Scored
+from trainers.lm.policy_gradient import (
+    PolicyGradientAlgorithm,
+    PolicyLoss,
+    RLConfig,
+    Scored,
+)
 from trainers.lm.rl import LMPolicyTrainer
 from trainers.lm.settings import PositiveInt
 from trainers.pg import AdvantageScope, check_scope_shardable, group_advantages, zero_std_groups
@@ -45,13 +50,12 @@ class GRPOBatch:
     advantages: Tensor  # (N,) one per response
 
 
-class GRPOAlgorithm(PolicyGradientTrainer[GRPOConfig]):
+class GRPO(PolicyGradientAlgorithm[GRPOConfig]):
     """GRPO's own math, for any source of scored batches (prompts, agent episodes):
     each row's advantage against its group of ``samples_per_prompt``."""
 
-    def setup(self, ctx: SetupContext) -> None:
-        check_scope_shardable(self.config.adv_scope, "adv_scope")  # before any rollout
-        super().setup(ctx)
+    def check(self) -> None:
+        check_scope_shardable(self.config.adv_scope, "adv_scope")
 
     def training_data(self, scored: Scored) -> GRPOBatch:
         cfg, n = self.config, self.config.samples_per_prompt
@@ -59,16 +63,15 @@ class GRPOAlgorithm(PolicyGradientTrainer[GRPOConfig]):
         return GRPOBatch(scored.rollouts, advantages)
 
     def rows_loss(
-        self, data: GRPOBatch, rows: slice, proximal: Proximal
+        self, data: GRPOBatch, rows: slice, policy_loss: PolicyLoss
     ) -> tuple[Tensor, dict[str, float]]:
-        loss, metrics, _ = self.policy_loss(
-            data.rollouts, rows, data.advantages[rows, None], proximal
-        )
+        loss, metrics, _ = policy_loss(data.rollouts, rows, data.advantages[rows, None])
         return loss, metrics
 
 
-class GRPOTrainer(GRPOAlgorithm, LMPolicyTrainer[GRPOConfig]):
+class GRPOTrainer(LMPolicyTrainer[GRPOConfig]):
     Config = GRPOConfig
+    Algorithm = GRPO
     data_parallel = True  # rows are whole groups of a prompt; the loss uses shared_count
 
     def setup(self, ctx: SetupContext) -> None:
@@ -117,7 +120,7 @@ class GRPOTrainer(GRPOAlgorithm, LMPolicyTrainer[GRPOConfig]):
         rollouts = Rollouts.concat([s.rollouts for s in kept])
         rewards = torch.cat([s.rewards for s in kept])
         prompts = [prompt for s in kept for prompt in s.prompts]
-        return self.training_data(Scored(rollouts, prompts, rewards)), metrics
+        return self.algorithm.training_data(Scored(rollouts, prompts, rewards)), metrics
 
 
 def select_groups(scored: Scored, groups: Tensor, group_size: int) -> Scored:

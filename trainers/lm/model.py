@@ -19,6 +19,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from corun.engines.decode import top_p_log_probs
 from corun.execution.compute import cancel_point
 
 Size = Annotated[int, msgspec.Meta(ge=1)]
@@ -192,18 +193,6 @@ def decode(
             break
         ids = torch.cat([ids, token[:, None]], dim=1)
     return Decoded(torch.stack(tokens, dim=1), torch.stack(logprobs, dim=1), torch.tensor(versions))
-
-
-def top_p_log_probs(logits: Tensor, top_p: float) -> Tensor:
-    """Log-probs over the smallest set of tokens whose mass reaches ``top_p`` (-inf elsewhere)."""
-    log_probs = torch.log_softmax(logits, dim=-1)
-    if top_p >= 1.0:
-        return log_probs
-    sorted_lp, order = log_probs.sort(dim=-1, descending=True)
-    mass_before = sorted_lp.exp().cumsum(dim=-1) - sorted_lp.exp()
-    sorted_lp = sorted_lp.masked_fill(mass_before >= top_p, float("-inf"))
-    kept = torch.full_like(log_probs, float("-inf")).scatter(-1, order, sorted_lp)
-    return torch.log_softmax(kept, dim=-1)
 
 
 def _init_weights(module: nn.Module) -> None:

@@ -1,37 +1,32 @@
-"""What every policy-gradient trainer of a TinyLM policy shares, single-turn or over
-multi-turn episodes: the policy (fresh or warm-started), the optimizer, the rollout
-engine with its replicas and weight sync, per-batch preparation (the decoupled
-correction's proximal log-probs), the clipped policy loss over the policy's tokens,
-and state.
+"""What every LM policy-gradient trainer shares, whatever its policy (TinyLM, or a
+Hugging Face causal LM) and wherever its batches come from (prompts, agent episodes):
+the policy (fresh or warm-started) with its KL anchor and optimizer, per-batch
+preparation (the decoupled correction's proximal log-probs), and the clipped policy
+loss over the policy's tokens.
 
-A subclass supplies where the policy comes from (``initial_policy``), its task
-(``setup_task``, ``dataset``, ``rollout``, ``evaluate``), and — through an algorithm
-class such as :class:`trainers.lm.grpo.GRPOAlgorithm` — how a scored batch becomes
-training data (``training_data``) and the loss of a slice of rows (``rows_loss``).
-The runtime splits batches into ``loop.mini_batches`` optimizer steps and applies them.
+The algorithm is an object the trainer holds (``Algorithm``: GRPO or PPO,
+trainers/lm/grpo.py and ppo.py): how a scored batch becomes training data and the loss
+of a slice of its rows. A subclass supplies the policy (``initial_policy``), the
+rollout engine and its sync, the task (``dataset``, ``rollout``, ``evaluate``) and the
+state: trainers/lm/rl.py for a TinyLM on local engines, trainers/hf/rl.py for an hf:
+policy. The runtime splits batches into ``loop.mini_batches`` optimizer steps and
+applies them.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from typing import Annotated, Any, Generic, Literal, Protocol, TypeVar
+from functools import partial
+from typing import Annotated, Any, ClassVar, Generic, Literal, Protocol, Self, TypeVar
 
 import msgspec
 import torch
-from msgspec.structs import asdict
-from torch import Tensor
+from torch import Tensor, nn
 
 from corun import Batch, ConfigError, Part, SetupContext, Trainer, shared_count
-from corun.host.prerequisites import is_config
-from trainers.lm.engine import LocalEngine, Rollouts
-from trainers.lm.model import TinyLM
-from trainers.lm.policy import (
-    CausalPolicy,
-    load_policy,
-    load_policy_state,
-    policy_state,
-    rollout_logprobs,
-)
+from trainers.lm.engine import Rollouts
+from trainers.lm.policy import CausalPolicy, rollout_logprobs
 from trainers.lm.settings import LMTrainerConfig, NonNegativeFloat, PositiveInt
 from trainers.pg import (
     LossAggregation,
@@ -40,7 +35,7 @@ from trainers.pg import (
     decoupled_surrogate,
     kl_k3,
 )
-from trainers.weights import Replicas, frozen_copy
+from trainers.weights import kl_anchor, warm_start_runs
 
 UnitFloat = Annotated[float, msgspec.Meta(gt=0, le=1)]
 
@@ -85,6 +80,7 @@ class RLConfig(LMTrainerConfig, frozen=True, forbid_unknown_fields=True, kw_only
 
 
 C = TypeVar("C", bound=RLConfig)
+A = TypeVar("A", bound=RLConfig)
 D = TypeVar("D")
 
 
@@ -113,15 +109,70 @@ class Prepared(Generic[D]):
     decoupled: bool = False
 
 
+class TrainablePolicy(CausalPolicy, Protocol):
+    """A policy the update trains: TinyLM, or a Hugging Face causal LM (nn.Modules)."""
+
+    def parameters(self, recurse: bool = True) -> Iterator[nn.Parameter]: ...
+
+    def train(self, mode: bool = True) -> Self: ...
+
+    def eval(self) -> Self: ...
+
+    def num_params(self) -> int: ...
+
+
+# A slice of rows' clipped policy loss, given their advantages (rows, 1) or (rows, T):
+# the loss, its metrics and the hidden states (a value head's input).
+PolicyLoss = Callable[[Rollouts, slice, Tensor], tuple[Tensor, dict[str, float], Tensor]]
+
+
+class PolicyGradientAlgorithm(Generic[A]):
+    """What GRPO and PPO add to the shared update (trainers/lm/grpo.py, ppo.py), whatever
+    makes the scored batches (prompts, agent episodes, an hf: policy's engine)."""
+
+    def __init__(self, config: A) -> None:
+        self.config = config
+
+    def check(self) -> None:
+        """Refuse (one line) what this run cannot apply, before any rollout."""
+
+    def modules(self, policy: CausalPolicy) -> dict[str, nn.Module]:
+        """Trainable modules beside the policy (PPO's value head); saved and restored."""
+        return {}
+
+    def training_data(self, scored: Scored) -> Any:
+        """A scored batch as the algorithm trains on it (GRPO: with group advantages)."""
+        raise NotImplementedError
+
+    def prepare(self, data: Any, policy: CausalPolicy) -> Any:
+        """Per-batch work under the weights it is trained from (PPO: old values, GAE)."""
+        return data
+
+    def rows_loss(
+        self, data: Any, rows: slice, policy_loss: PolicyLoss
+    ) -> tuple[Tensor, dict[str, float]]:
+        """The loss of ``rows`` of a prepared batch, from their clipped policy loss."""
+        raise NotImplementedError
+
+
 class PolicyGradientTrainer(Trainer[C]):
-    """Base of the TinyLM policy-gradient trainers (single-turn and agentic)."""
+    """Base of the LM policy-gradient trainers: :meth:`build` makes the policy, its KL
+    anchor, the algorithm (``Algorithm``) with its modules, and the optimizer; the
+    update (prepare, loss) is this class's. A subclass supplies the policy
+    (``initial_policy``), the rollout engine, the task and the state."""
+
+    Algorithm: ClassVar[type[PolicyGradientAlgorithm[Any]]]
+    policy: TrainablePolicy
+
+    def prerequisites(self) -> list[str]:
+        return warm_start_runs(self.config.init_from)
 
     # ---- set-up
-    def prerequisites(self) -> list[str]:
-        return [self.config.init_from] if is_config(self.config.init_from) else []
-
-    def setup(self, ctx: SetupContext) -> None:
+    def build(self, ctx: SetupContext) -> None:
+        """The algorithm, the policy and what trains it (blocking: loading weights)."""
         cfg = self.config
+        self.algorithm = self.Algorithm(cfg)
+        self.algorithm.check()
         if cfg.inflight_at_sync == "interrupt" and ctx.config.loop.version_schedule == "fixed":
             raise ConfigError(
                 '`$.trainer.inflight_at_sync` = "interrupt": a partial rollout switches weights '
@@ -131,46 +182,22 @@ class PolicyGradientTrainer(Trainer[C]):
         # computed before the first (prepare); with one, its own forward pass has them.
         self.later_mini_batches = ctx.config.loop.mini_batches > 1
         self.policy = self.initial_policy()
-        # The KL anchor is the initial policy, frozen (on resume too: set-up rebuilds it).
-        self.reference = frozen_copy(self.policy) if cfg.kl_coef > 0 else None
-        self.extra_modules = self.build_extra_modules()
+        self.reference = kl_anchor(self.policy, cfg.kl_coef)
+        self.extra_modules = self.algorithm.modules(self.policy)
         params = [*self.policy.parameters(), *self.extra_parameters()]
         self.optimizer = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=0.0)
         ctx.add_optimizer(self.optimizer, grad_clip=cfg.grad_clip)
-        self.setup_engine(ctx)
-        self.setup_task()
 
-    def setup_engine(self, ctx: SetupContext) -> None:
-        """The rollout engine: the train thread's, updated in place at each sync, and
-        one replica per rollout worker thread (concurrency > 1)."""
-        self.replicas: Replicas[LocalEngine] = Replicas(
-            LocalEngine(self.policy), self._engine_replica, LocalEngine.update_weights,
-            initial=self.policy.state_dict(), ctx=ctx,
-        )  # fmt: skip
-        self.engine = self.replicas.home
-
-    def initial_policy(self) -> TinyLM:
+    def initial_policy(self) -> TrainablePolicy:
         """The policy to start from: a warm start's, or a fresh one."""
         raise NotImplementedError
 
-    def setup_task(self) -> None:
-        """The task's own set-up (held-out evaluation, length caps)."""
-
-    def build_extra_modules(self) -> dict[str, torch.nn.Module]:
-        """Trainable modules beside the policy (PPO's value head); saved and restored."""
-        return {}
-
-    def extra_parameters(self) -> list[torch.nn.Parameter]:
+    def extra_parameters(self) -> list[nn.Parameter]:
         return [p for module in self.extra_modules.values() for p in module.parameters()]
 
     # ---- train
-    def training_data(self, scored: Scored) -> Any:
-        """A scored batch as the algorithm trains on it (GRPO: with group advantages)."""
-        raise NotImplementedError
-
-    # ---- train
     def prepare(self, batch: Batch) -> Prepared[Any]:
-        data = self.prepare_data(batch.data)
+        data = self.algorithm.prepare(batch.data, self.policy)
         proximal = None
         decoupled = self.config.off_policy_correction == "decoupled"
         if decoupled and self.later_mini_batches:
@@ -178,10 +205,6 @@ class PolicyGradientTrainer(Trainer[C]):
             with torch.no_grad():  # the policy before this batch's update
                 proximal, _, _ = rollout_logprobs(self.policy, rollouts, self.config.temperature)
         return Prepared(data, proximal, decoupled)
-
-    def prepare_data(self, data: Any) -> Any:
-        """Per-batch work before the update (PPO: old values and GAE)."""
-        return data
 
     def loss(self, batch: Batch, part: Part) -> tuple[Tensor, dict[str, float]]:
         prepared: Prepared[Any] = batch.data
@@ -195,7 +218,7 @@ class PolicyGradientTrainer(Trainer[C]):
     def rows_loss(
         self, data: Any, rows: slice, proximal: Proximal
     ) -> tuple[Tensor, dict[str, float]]:
-        raise NotImplementedError
+        return self.algorithm.rows_loss(data, rows, partial(self.policy_loss, proximal=proximal))
 
     def policy_loss(
         self, rollouts: Rollouts, rows: slice, advantages: Tensor, proximal: Proximal
@@ -209,38 +232,15 @@ class PolicyGradientTrainer(Trainer[C]):
             kl_clamp=cfg.kl_clamp, dual_clip=cfg.dual_clip,
         )  # fmt: skip
 
-    # ---- sync, eval, state
-    def _engine_replica(self, state: dict[str, Tensor], version: int) -> LocalEngine:
-        engine = LocalEngine(
-            load_policy({"model_config": asdict(self.policy.config), "model": state})
-        )
-        engine.version = version
-        return engine
-
-    def sync_weights(self, version: int) -> None:
-        self.replicas.sync(self.rollout_weights(), version)
-
-    # Rollout workers in other processes (corun/scale/ray_workers.py): what a publish sends,
-    # and where a worker's trainer puts it (its engine, updated in place).
-    def rollout_weights(self) -> dict[str, Tensor]:
-        return self.policy.state_dict()
-
-    def load_rollout_weights(self, state: dict[str, Tensor], version: int) -> None:
-        self.replicas.sync(state, version)
-
-    def scheduled_rollout_weights(self) -> dict[int, dict[str, Tensor]]:
-        """The versions kept for the fixed schedule (restored with a checkpoint)."""
-        return {int(version): state for version, state in self.replicas.state_dict().items()}
-
+    # ---- observability and state
     def wandb_extra(self) -> dict[str, Any]:
         return {"model/num_params": self.policy.num_params()}
 
-    def state_dict(self) -> dict[str, Any]:
-        extra = {name: module.state_dict() for name, module in self.extra_modules.items()}
-        return policy_state(self.policy, self.optimizer, self.config.task, extra=extra)
+    def modules_state(self) -> dict[str, Any]:
+        """The algorithm's modules' state (saved under ``"extra"``)."""
+        return {name: module.state_dict() for name, module in self.extra_modules.items()}
 
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        load_policy_state(state, self.policy, self.optimizer, self.config.task)
+    def load_modules_state(self, state: dict[str, Any]) -> None:
         for name, module in self.extra_modules.items():
             module.load_state_dict(state["extra"][name])
 

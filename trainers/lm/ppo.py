@@ -16,10 +16,15 @@ import msgspec
 import torch
 from torch import Tensor, nn
 
-from corun import RolloutContext, shared_count, shared_mean_std
+from corun import shared_count, shared_mean_std
 from trainers.lm.engine import Rollouts
-from trainers.lm.policy import rollout_logprobs
-from trainers.lm.policy_gradient import PolicyGradientTrainer, Proximal, RLConfig, Scored
+from trainers.lm.policy import CausalPolicy, rollout_logprobs
+from trainers.lm.policy_gradient import (
+    PolicyGradientAlgorithm,
+    PolicyLoss,
+    RLConfig,
+    Scored,
+)
 from trainers.lm.rl import LMPolicyTrainer
 from trainers.lm.settings import NonNegativeFloat
 from trainers.pg import aggregate, clipped_value_loss, gae
@@ -45,21 +50,21 @@ class PPOBatch:
     returns: Tensor  # (N, T)
 
 
-class PPOAlgorithm(PolicyGradientTrainer[PPOConfig]):
+class PPO(PolicyGradientAlgorithm[PPOConfig]):
     """PPO's own math, for any source of scored batches (prompts, agent episodes): the
     value head, GAE from the reward on the final trained token, the value loss."""
 
-    def build_extra_modules(self) -> dict[str, nn.Module]:
-        self.value_head = nn.Linear(self.policy.hidden_size, 1)
+    def modules(self, policy: CausalPolicy) -> dict[str, nn.Module]:
+        self.value_head = nn.Linear(policy.hidden_size, 1)
         return {"value_head": self.value_head}
 
     def training_data(self, scored: Scored) -> Scored:
-        return scored  # GAE needs the values of the weights it is trained from: prepare_data
+        return scored  # GAE needs the values of the weights it is trained from: prepare
 
     @torch.no_grad()
-    def prepare_data(self, scored: Scored) -> PPOBatch:
+    def prepare(self, scored: Scored, policy: CausalPolicy) -> PPOBatch:
         rollouts, cfg = scored.rollouts, self.config
-        _, _, hidden = rollout_logprobs(self.policy, rollouts, cfg.temperature)
+        _, _, hidden = rollout_logprobs(policy, rollouts, cfg.temperature)
         mask = rollouts.response_mask
         old_values = self.value_head(hidden).squeeze(-1) * mask
         # Each response's final token (its last trained one: a multi-turn transcript has
@@ -75,11 +80,9 @@ class PPOAlgorithm(PolicyGradientTrainer[PPOConfig]):
         return PPOBatch(rollouts, old_values, advantages, returns)
 
     def rows_loss(
-        self, data: PPOBatch, rows: slice, proximal: Proximal
+        self, data: PPOBatch, rows: slice, policy_loss: PolicyLoss
     ) -> tuple[Tensor, dict[str, float]]:
-        policy_loss, metrics, hidden = self.policy_loss(
-            data.rollouts, rows, data.advantages[rows], proximal
-        )
+        clipped, metrics, hidden = policy_loss(data.rollouts, rows, data.advantages[rows])
         values = self.value_head(hidden).squeeze(-1)
         value_loss = aggregate(
             clipped_value_loss(
@@ -90,16 +93,11 @@ class PPOAlgorithm(PolicyGradientTrainer[PPOConfig]):
             shared_count,
         )
         metrics["value_loss"] = float(value_loss.detach())
-        metrics["policy_loss"] = float(policy_loss.detach())
-        return policy_loss + self.config.vf_coef * value_loss, metrics
+        metrics["policy_loss"] = float(clipped.detach())
+        return clipped + self.config.vf_coef * value_loss, metrics
 
 
-class PPOTrainer(PPOAlgorithm, LMPolicyTrainer[PPOConfig]):
+class PPOTrainer(LMPolicyTrainer[PPOConfig]):
     Config = PPOConfig
+    Algorithm = PPO
     data_parallel = True  # losses use shared_count, whitening shared_mean_std
-
-    def make_batch(
-        self, examples: list[tuple[str, str]], ctx: RolloutContext
-    ) -> tuple[Scored, dict[str, float]]:
-        scored, metrics = self.sample_and_score(examples, ctx)
-        return self.training_data(scored), metrics

@@ -1,6 +1,8 @@
-"""What GRPO and PPO share on single-turn text tasks (trainers/lm/tasks.py): the task's
-data and rewards, sampling and scoring a batch of prompts, and the held-out
-evaluation. The policy-gradient machinery is trainers/lm/policy_gradient.py's.
+"""TinyLM policy-gradient trainers: a TinyLM policy on local rollout engines (the base
+of the single-turn and the agentic trainers), and what GRPO and PPO share on
+single-turn text tasks (trainers/lm/tasks.py): the task's data and rewards, sampling
+and scoring a batch of prompts, and the held-out evaluation. The update is
+trainers/lm/policy_gradient.py's.
 """
 
 from __future__ import annotations
@@ -9,18 +11,79 @@ import time
 from typing import Any
 
 import torch
+from msgspec.structs import asdict
 from torch import Tensor
 
-from corun import Batch, Dataset, RolloutContext
-from trainers.lm.engine import Rollouts
+from corun import Batch, Dataset, RolloutContext, SetupContext
+from trainers.lm.engine import LocalEngine, Rollouts
 from trainers.lm.model import TinyLM
-from trainers.lm.policy import HeldOutEval, build_policy, policy_from
+from trainers.lm.policy import (
+    HeldOutEval,
+    build_policy,
+    load_policy,
+    load_policy_state,
+    policy_from,
+    policy_state,
+)
 from trainers.lm.policy_gradient import C, PolicyGradientTrainer, Scored
 from trainers.lm.tasks import TASKS, Task, TaskData, decode_responses, encode_prompts
+from trainers.weights import Replicas, ReplicatedRollouts
 
 
-class LMPolicyTrainer(PolicyGradientTrainer[C]):
-    """Single-turn prompts → responses; an algorithm class supplies ``make_batch``."""
+class TinyLMPolicyGradient(ReplicatedRollouts, PolicyGradientTrainer[C]):
+    """A TinyLM policy generating on local engines: the train thread's, updated in place
+    at each sync, and one replica per rollout worker thread (concurrency > 1)."""
+
+    policy: TinyLM
+    replicas: Replicas[LocalEngine]
+
+    def setup(self, ctx: SetupContext) -> None:
+        self.build(ctx)
+        self.replicas = Replicas(
+            LocalEngine(self.policy), self._engine_replica, LocalEngine.update_weights,
+            initial=self.policy.state_dict(), ctx=ctx,
+        )  # fmt: skip
+        self.engine = self.replicas.home
+
+    def initial_policy(self) -> TinyLM:
+        raise NotImplementedError
+
+    def _engine_replica(self, state: dict[str, Tensor], version: int) -> LocalEngine:
+        engine = LocalEngine(
+            load_policy({"model_config": asdict(self.policy.config), "model": state})
+        )
+        engine.version = version
+        return engine
+
+    # Rollout workers in other processes (corun/scale/ray_workers.py): what a publish sends,
+    # and where a worker's trainer puts it (its engine, updated in place).
+    def rollout_weights(self) -> dict[str, Tensor]:
+        return self.policy.state_dict()
+
+    def load_rollout_weights(self, state: dict[str, Tensor], version: int) -> None:
+        self.replicas.sync(state, version)
+
+    def scheduled_rollout_weights(self) -> dict[int, dict[str, Tensor]]:
+        """The versions kept for the fixed schedule (restored with a checkpoint)."""
+        return {int(version): state for version, state in self.replicas.state_dict().items()}
+
+    def state_dict(self) -> dict[str, Any]:
+        extra = self.modules_state()
+        return policy_state(self.policy, self.optimizer, self.config.task, extra=extra)
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        load_policy_state(state, self.policy, self.optimizer, self.config.task)
+        self.load_modules_state(state)
+
+
+class LMPolicyTrainer(TinyLMPolicyGradient[C]):
+    """Single-turn prompts → responses."""
+
+    def setup(self, ctx: SetupContext) -> None:
+        super().setup(ctx)
+        self.task = TASKS[self.config.task]
+        self.held_out = HeldOutEval(self.task, self.config.eval_size)
+        self.max_new_tokens = self.config.max_new_tokens or self.task.max_answer_len + 1
 
     def initial_policy(self) -> TinyLM:
         """The policy to start from: the warm start's, or a fresh one."""
@@ -28,12 +91,6 @@ class LMPolicyTrainer(PolicyGradientTrainer[C]):
         if cfg.init_from:
             return policy_from(cfg.init_from)
         return build_policy(cfg.d_model, cfg.n_layers, cfg.n_heads)
-
-    def setup_task(self) -> None:
-        """The task, its held-out evaluation and the response length cap."""
-        self.task = TASKS[self.config.task]
-        self.held_out = HeldOutEval(self.task, self.config.eval_size)
-        self.max_new_tokens = self.config.max_new_tokens or self.task.max_answer_len + 1
 
     def dataset(self) -> Dataset:
         batch_size = self.run_config.data.batch_size * self.prompt_rounds()
@@ -80,7 +137,10 @@ class LMPolicyTrainer(PolicyGradientTrainer[C]):
     def make_batch(
         self, examples: list[tuple[str, str]], ctx: RolloutContext
     ) -> tuple[Any, dict[str, float]]:
-        raise NotImplementedError
+        """A step's training data: one scored sample of the prompts (GRPO's dynamic
+        sampling draws more)."""
+        scored, metrics = self.sample_and_score(examples, ctx)
+        return self.algorithm.training_data(scored), metrics
 
     def evaluate(self) -> dict[str, float]:
         return self.held_out(self.policy)

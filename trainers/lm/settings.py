@@ -4,7 +4,8 @@ set-up)."""
 
 from __future__ import annotations
 
-from typing import Annotated, Literal, get_args
+from collections.abc import Callable
+from typing import Annotated, Any, Literal, TypeVar, cast, get_args
 
 import msgspec
 
@@ -29,3 +30,39 @@ class LMTrainerConfig(TrainerConfig, frozen=True, forbid_unknown_fields=True, kw
             raise ValueError(
                 f"`$.d_model` ({self.d_model}) must be divisible by `$.n_heads` ({self.n_heads})"
             )
+
+
+S = TypeVar("S", bound=LMTrainerConfig)
+
+
+def with_settings(
+    name: str, base: type[S], settings: type[msgspec.Struct], check: Callable[[Any], None]
+) -> type[S]:
+    """The config class ``name``: ``base``'s fields, then ``settings``' (keys of the same
+    table, as a subclass would add them: one that ``base`` has takes its place), then
+    ``check(config)`` after ``base``'s own validation.
+
+    Built rather than inherited because a msgspec Struct takes fields from one base
+    only, and a source of batches (an hf: policy, agent episodes) adds the same
+    settings to GRPO's and to PPO's.
+    """
+
+    def post_init(config: Any) -> None:
+        base.__post_init__(config)
+        check(config)
+
+    fields = [_field(f) for f in msgspec.structs.fields(settings)]
+    built = msgspec.defstruct(
+        name, fields, bases=(base,), module=settings.__module__,
+        namespace={"__post_init__": post_init}, frozen=True, forbid_unknown_fields=True,
+        kw_only=True,
+    )  # fmt: skip
+    return cast(type[S], built)
+
+
+def _field(field: msgspec.structs.FieldInfo) -> tuple[str, Any] | tuple[str, Any, Any]:
+    if field.default_factory is not msgspec.NODEFAULT:
+        return field.name, field.type, msgspec.field(default_factory=field.default_factory)
+    if field.default is not msgspec.NODEFAULT:
+        return field.name, field.type, field.default
+    return field.name, field.type

@@ -11,7 +11,6 @@ import msgspec
 import torch
 
 from corun import CheckpointError, ConfigError, Dataset, Image, SetupContext
-from corun.host.prerequisites import is_config
 from trainers.diffusion.base import FlowTrainer
 from trainers.diffusion.model import build_model, model_from
 from trainers.diffusion.settings import FlowTrainerConfig, NonNegativeFloat
@@ -20,6 +19,7 @@ from trainers.lm.model import decode
 from trainers.lm.policy import load_policy_state, policy_state
 from trainers.pe.prompts import EOS, REWRITE_LEN, UserData, eval_users, flow_tokens
 from trainers.pe.rewriter import build_rewriter, rewriter_from
+from trainers.weights import warm_start_runs
 
 PositiveInt = Annotated[int, msgspec.Meta(ge=1)]
 PositiveFloat = Annotated[float, msgspec.Meta(gt=0)]
@@ -59,9 +59,7 @@ class PEBase(FlowTrainer[C]):
     plain_prompts: ClassVar[bool] = False
 
     def prerequisites(self) -> list[str]:
-        return [
-            path for path in (self.config.init_from, self.config.text_init_from) if is_config(path)
-        ]
+        return warm_start_runs(self.config.init_from, self.config.text_init_from)
 
     def setup(self, ctx: SetupContext) -> None:
         """The flow model with its optimizer (``image_lr``), the text policy with its

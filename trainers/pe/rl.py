@@ -44,7 +44,7 @@ from trainers.pe.base import PEBase, PEBaseConfig, PositiveFloat
 from trainers.pe.prompts import REWRITE_LEN, UserBatch, flow_tokens
 from trainers.pe.rewriter import load_rewriter, rewrite_logprobs
 from trainers.pg import aggregate, clipped_surrogate, group_advantages, zero_std_groups
-from trainers.weights import Replicas, frozen_copy
+from trainers.weights import Replicas, ReplicatedRollouts, frozen_copy, kl_anchor
 
 NonNegativeFloat = Annotated[float, msgspec.Meta(ge=0)]
 
@@ -73,7 +73,7 @@ class PEBatch:
 Pair = tuple[LocalEngine, FlowDiT]  # a rollout thread's rewriter and sampler
 
 
-class PromptEnhancerTrainer(PEBase[PromptEnhancerConfig]):
+class PromptEnhancerTrainer(ReplicatedRollouts, PEBase[PromptEnhancerConfig]):
     Config = PromptEnhancerConfig
     # Under torchrun each rank rewrites its shard of the users (whole text groups, each
     # rewrite's whole image group), and both losses are means over every rank's
@@ -86,14 +86,19 @@ class PromptEnhancerTrainer(PEBase[PromptEnhancerConfig]):
         super().setup(ctx)  # the flow model, the text policy and its optimizer, eval
         if not cfg.freeze_diffusion:
             ctx.add_optimizer(self.optimizer, grad_clip=cfg.grad_clip, name="image")
-        self.reference = frozen_copy(self.model) if cfg.grpo.kl_coef > 0 else None
+        self.reference = kl_anchor(self.model, cfg.grpo.kl_coef)
         self.sampling = Sampling(cfg.sample_steps, cfg.shift, cfg.cfg_scale)
         # One snapshot of both sides per sync: a worker never sees them torn apart.
-        self.pairs: Replicas[Pair] = Replicas(
+        self.replicas: Replicas[Pair] = Replicas(
             (LocalEngine(self.policy), frozen_copy(self.model)), self._pair_of, _load_pair,
-            initial=self._weights(), ctx=ctx,
+            initial=self.rollout_weights(), ctx=ctx,
         )  # fmt: skip
-        self.engine, self.sampler = self.pairs.home
+        self.engine, self.sampler = self.replicas.home
+
+    @property
+    def pairs(self) -> Replicas[Pair]:
+        """The rollout copies (``replicas``): a rewriter engine and a sampler each."""
+        return self.replicas
 
     def image_lr(self) -> float:
         return self.config.lr
@@ -101,7 +106,7 @@ class PromptEnhancerTrainer(PEBase[PromptEnhancerConfig]):
     # ---- rollout
     def rollout(self, inputs: UserBatch, ctx: RolloutContext) -> Batch:
         cfg, k = self.config, self.config.rewrites_per_prompt
-        (engine, sampler), version = self.pairs.local(ctx.version)
+        (engine, sampler), version = self.replicas.local(ctx.version)
         rewrites = engine.generate(
             inputs.prompt_ids, k, REWRITE_LEN, cfg.temperature, generator=ctx.generator
         )
@@ -175,11 +180,8 @@ class PromptEnhancerTrainer(PEBase[PromptEnhancerConfig]):
             "approx_kl": float((rewrites.logprobs - logp.detach()).mean()),
         }
 
-    # ---- sync
-    def sync_weights(self, version: int) -> None:
-        self.pairs.sync(self._weights(), version)
-
-    def _weights(self) -> dict[str, Tensor]:
+    # ---- sync: both sides' weights, one snapshot
+    def rollout_weights(self) -> dict[str, Tensor]:
         return {
             **{f"text.{key}": value for key, value in self.policy.state_dict().items()},
             **{f"image.{key}": value for key, value in self.model.state_dict().items()},

@@ -26,7 +26,6 @@ import torch
 from torch import Tensor
 
 from corun import Batch, Part, RolloutContext, SetupContext, shared_count
-from corun.host.prerequisites import is_config
 from trainers.diffusion.flow_rl import (
     FlowGRPOSettings,
     ImageGroups,
@@ -55,7 +54,7 @@ from trainers.unified.model import (
     load_unified,
     unified_from,
 )
-from trainers.weights import Replicas, frozen_copy
+from trainers.weights import Replicas, ReplicatedRollouts, kl_anchor, warm_start_runs
 
 NonNegativeFloat = Annotated[float, msgspec.Meta(ge=0)]
 
@@ -102,7 +101,7 @@ def score_text(
     return TextGroups(rollouts, advantages), metrics
 
 
-class UnifiedTrainer(UnifiedBase[UnifiedConfig]):
+class UnifiedTrainer(ReplicatedRollouts, UnifiedBase[UnifiedConfig]):
     """Registered as ``unified``."""
 
     Config = UnifiedConfig
@@ -118,7 +117,7 @@ class UnifiedTrainer(UnifiedBase[UnifiedConfig]):
             model = build_unified(cfg.d_model, cfg.n_layers, cfg.n_heads, cfg.patch_size)
         self.build(ctx, model)
         # The image track's KL anchor: the starting model, frozen.
-        self.reference = frozen_copy(model).flow if cfg.image.kl_coef > 0 else None
+        self.reference = kl_anchor(model.flow, cfg.image.kl_coef)
         # The rollout copy of the whole model (both tracks), replaced only by a sync;
         # rollout workers on other threads (concurrency > 1) keep replicas of it.
         self.replicas: Replicas[LocalEngine] = Replicas(
@@ -129,7 +128,7 @@ class UnifiedTrainer(UnifiedBase[UnifiedConfig]):
         self.max_new_tokens = self.task.max_answer_len + 1
 
     def prerequisites(self) -> list[str]:
-        return [self.config.init_from] if is_config(self.config.init_from) else []
+        return warm_start_runs(self.config.init_from)
 
     # ---- rollout
     def rollout(
@@ -189,6 +188,6 @@ class UnifiedTrainer(UnifiedBase[UnifiedConfig]):
         metrics |= {f"image/{key}": value for key, value in image_metrics.items()}
         return loss, metrics
 
-    # ---- sync
-    def sync_weights(self, version: int) -> None:
-        self.replicas.sync(self.model.state_dict(), version)
+    # ---- sync: the rollout copy takes the trained weights
+    def rollout_weights(self) -> dict[str, Tensor]:
+        return self.model.state_dict()

