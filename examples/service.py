@@ -40,7 +40,7 @@ OVERRIDES = [
 
 
 def training_config(run_dir: str) -> corun.Config:
-    return corun.load_config("configs/agentic.toml", [*OVERRIDES, f"run.dir={run_dir}"])
+    return corun.load_config("agentic", [*OVERRIDES, f"run.dir={run_dir}"])
 
 
 def host_api(session: corun.Session, stats: dict[str, float]) -> Starlette:

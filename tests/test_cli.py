@@ -274,3 +274,44 @@ def test_resume_from_a_path_that_is_not_a_checkpoint(
     code, _, err = call_main(["train", str(cfg), f'checkpoint.resume="{not_a_checkpoint}"'], capsys)
     assert_usage_error(code, err, str(not_a_checkpoint))
     assert not (tmp_path / "run").exists()
+
+
+# ----------------------------------------------------------------------------- recipes
+
+
+def test_a_recipe_by_name(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A bare name that is no file where corun runs is a shipped recipe (corun/recipes/);
+    the run it warm-starts from is named by recipe name too."""
+    monkeypatch.chdir(tmp_path)  # nothing of the checkout's here
+    code, out, err = call_main(["validate", "grpo", "run.steps=2"], capsys)
+    assert code == 0, err
+    data = tomllib.loads(out)
+    assert data["trainer"]["kind"] == "grpo" and data["run"]["steps"] == 2
+    assert corun.load_config(data["trainer"]["init_from"]).run.name == "sft-warmup"
+
+
+def test_an_unknown_recipe_is_one_line_naming_the_recipes(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    code, _, err = call_main(["train", "no_such_recipe"], capsys)
+    assert_usage_error(code, err, "no_such_recipe", "grpo", "sft_warmup")
+
+
+def test_recipes_are_listed_and_copied_out(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    code, out, _ = call_main(["recipes"], capsys)
+    assert code == 0
+    listed = dict(line.split(maxsplit=1) for line in out.splitlines())
+    assert {"grpo", "sft", "agentic", "hf_grpo"} <= listed.keys()
+    assert listed["sft"].startswith("Supervised fine-tuning of TinyLM")
+    code, _, err = call_main(["recipes", "copy", "grpo", str(tmp_path)], capsys)
+    assert code == 0, err
+    copied = tmp_path / "grpo.toml"
+    assert copied.read_text() == (REPO / "corun" / "recipes" / "grpo.toml").read_text()
+    code, _, err = call_main(["recipes", "copy", "grpo", str(tmp_path)], capsys)
+    assert_usage_error(code, err, str(copied))  # never over a file of one's own
+    code, _, err = call_main(["recipes", "copy", "no_such_recipe"], capsys)
+    assert_usage_error(code, err, "no_such_recipe", "grpo")

@@ -172,6 +172,8 @@ def _progress() -> Progress:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="corun bench", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(
+        prog="corun bench", description="the throughput suites: report.md and plots in a folder"
+    )
     add_arguments(parser)
     return run(parser.parse_args(argv))

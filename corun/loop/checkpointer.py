@@ -1,6 +1,6 @@
-"""Saving a run: when (the loop asks the cadence), what (a snapshot taken between steps
-on the train lane), and how (written in the background, drained at teardown); and
-resuming one: the restored state loaded into the set-up trainer.
+"""Saving a run: when (after the steps the cadence saves at), what (a snapshot taken
+between steps on the train lane), and how (written in the background, drained at
+teardown); and resuming one: the restored state loaded into the set-up trainer.
 
 The step loop snapshots the trainer's state and goes on training while the files are
 written. A failed write fails the run: the error is recorded, the run is stopped

@@ -25,7 +25,7 @@ from corun.loop.clock import Clock, IdleTimes
 from corun.loop.extensions import RemoteRollouts
 from corun.loop.kept_rollouts import KeptRollouts
 from corun.loop.phases import stopwatch, timed_span
-from corun.records.events import Trace
+from corun.records.events import EventLog, Trace
 
 
 class Producer:
@@ -46,7 +46,7 @@ class Producer:
 
     def __init__(
         self, trainer: Trainer[Any], dataset: Dataset, lanes: list[Lane], clock: Clock,
-        idle: IdleTimes, trace: Trace, config: Config, stop: int,
+        idle: IdleTimes, trace: Trace, events: EventLog, config: Config, stop: int,
         kept: KeptRollouts, remote: RemoteRollouts | None = None,
     ) -> None:  # fmt: skip
         self.trainer = trainer
@@ -55,6 +55,7 @@ class Producer:
         self.clock = clock
         self.idle = idle
         self.trace = trace
+        self.events = events
         self.order = config.loop.order
         self.seed = config.run.seed
         self.fixed_schedule = config.loop.version_schedule == "fixed"
@@ -82,8 +83,13 @@ class Producer:
                 track = "producer" if len(self.lanes) == 1 else f"producer-{i}"
                 workers.start_soon(self._work, i, lane, track, send)
 
-    def requeue(self, index: int) -> None:
-        """Generate ``index`` again: its batch was dropped."""
+    def drop(self, batch: Batch) -> None:
+        """``batch`` was overtaken in completion order, too stale to train on: generate
+        its data index again."""
+        self.clock.drop()
+        staleness = self.clock.step - batch.version
+        self.events.emit("drop", self.clock.step, index=batch.index, staleness=staleness)
+        index = batch.index
         self._attempts[index] = self._attempts.get(index, 0) + 1
         self.kept.dropped(index)
         heapq.heappush(self._requeued, index)

@@ -213,8 +213,8 @@ class _Run:
         send, receive = anyio.create_memory_object_stream[Batch](self.config.loop.concurrency)
         async with anyio.create_task_group() as producers:
             producer = Producer(
-                self.trainer, self.dataset, self.lanes.rollout, self.clock, self.idle,
-                self.trace, distributed.rollout_config(self.config), stop=self.config.run.steps,
+                self.trainer, self.dataset, self.lanes.rollout, self.clock, self.idle, self.trace,
+                self.events, distributed.rollout_config(self.config), stop=self.config.run.steps,
                 remote=self.remote, kept=self.checkpointer.rollouts,
             )  # fmt: skip
             producers.start_soon(producer.run, send)
@@ -227,18 +227,10 @@ class _Run:
                         break
                     self.idle.trainer_s += waited.seconds
                     if self.clock.is_stale(batch.version):
-                        self._drop(batch)
-                        producer.requeue(batch.index)
+                        producer.drop(batch)  # its data index is generated again
                     else:
                         await self._train_one(batch)
             producers.cancel_scope.cancel()
-
-    def _drop(self, batch: Batch) -> None:
-        """Overtaken in completion order: too stale to train on; its index is redone."""
-        self.clock.drop()
-        self.events.emit(
-            "drop", self.clock.step, index=batch.index, staleness=self.clock.step - batch.version
-        )
 
     # ------------------------------------------------------------------ one step
 
