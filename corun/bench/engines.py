@@ -79,8 +79,10 @@ class Settings:
 
 FULL = Settings("full", (1, 8, 64), max_tokens=32, repeats=11, syncs=11, grpo_steps=40, grpo_skip=3)
 QUICK = Settings("quick", (1, 8), max_tokens=8, repeats=2, syncs=3, grpo_steps=5, grpo_skip=1)
-GRIDS = {"full": FULL} | {grid: Settings(grid, (1, 8), max_tokens=8, repeats=1, syncs=2,
-                                         grpo_steps=0, grpo_skip=1) for grid in ("quick", "tiny")}
+GRIDS = {"full": FULL} | {
+    grid: Settings(grid, (1, 8), max_tokens=8, repeats=1, syncs=2, grpo_steps=0, grpo_skip=1)
+    for grid in ("quick", "tiny")
+}
 
 
 @dataclass
@@ -319,8 +321,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     add = parser.add_argument
     add("--quick", action="store_true", help="a smoke run: small and short")
-    add("--engines", type=parse_engines, default=list(ENGINES),
-        help=f"a subset of {','.join(ENGINES)} (default: all)")
+    add(
+        "--engines",
+        type=parse_engines,
+        default=list(ENGINES),
+        help=f"a subset of {','.join(ENGINES)} (default: all)",
+    )
     add("--grpo-steps", type=int, default=None, help="GRPO steps with vllm; 0: none")
     add("--json", metavar="PATH", type=Path, help="also write the figures here")
     args = parser.parse_args(argv)

@@ -115,6 +115,7 @@ class Ticker:
         lags = sorted(self.lags[start:end])
         if not lags:
             return {"ticks": 0}
+
         def at(q: float) -> float:
             return lags[min(len(lags) - 1, int(q * len(lags)))] * 1e3
 
@@ -202,6 +203,7 @@ async def host(request: Request) -> dict[str, Any]:
 def tail_parts(ticker: Ticker, first: int, p99: float) -> dict[str, float]:
     """What the late wake-ups at or past p99 are made of, in ms per wake-up."""
     tail = [i for i in range(first, len(ticker.lags)) if ticker.lags[i] >= p99]
+
     def mean(xs: Iterable[float]) -> float:
         return sum(xs) / max(len(tail), 1) * 1e3
 
@@ -255,6 +257,7 @@ def _idle(stack: list[str]) -> bool:
 def _where(stack: list[str]) -> str:
     """The innermost frame, and the first corun/trainers frame above it for context."""
     ours = next((f for f in stack if f.startswith(("corun/", "trainers/"))), None)
+
     def short(frame: str) -> str:  # no line number
         return frame.split(":")[0] + " " + frame.split(" ", 1)[1]
 
@@ -321,8 +324,10 @@ def print_spikes(tree: str, backend: str, compute: str, r: dict[str, Any]) -> No
     for s in spikes:
         groups.setdefault((s["cause"], s["span"]), []).append(s["lag_ms"])
     print(f"\n{tree} {backend}/{compute}: {len(spikes)} wake-ups later than {SPIKE_MS:g} ms")
-    print(f"  the wake-ups at or past p99, on average: lag {t['lag_ms']:.2f} ms = queued "
-          f"{t['queued_ms']:.2f} + ran {t['ran_ms']:.2f} + blocked {t['blocked_ms']:.2f}")
+    print(
+        f"  the wake-ups at or past p99, on average: lag {t['lag_ms']:.2f} ms = queued "
+        f"{t['queued_ms']:.2f} + ran {t['ran_ms']:.2f} + blocked {t['blocked_ms']:.2f}"
+    )
     print(f"  {'count':>5} {'max ms':>7} {'sum ms':>7}  cause, during span")
     for (cause, span), lags in sorted(groups.items(), key=lambda kv: -sum(kv[1])):
         print(f"  {len(lags):5} {max(lags):7.1f} {sum(lags):7.0f}  {cause}, during {span}")
@@ -335,8 +340,10 @@ def print_spikes(tree: str, backend: str, compute: str, r: dict[str, Any]) -> No
     for s in sorted(spikes, key=lambda s: -s["lag_ms"])[:6]:
         blocked = s["lag_ms"] - s["queued_ms"] - s["ran_ms"]
         gcs = "; ".join(g for g in s["gc"] if " 0 ms" not in g)
-        print(f"  {s['at_s']:6.2f} {s['lag_ms']:6.1f} = {s['queued_ms']:5.1f} + "
-              f"{s['ran_ms']:5.1f} + {blocked:6.1f}  {s['span']}  {gcs}")
+        print(
+            f"  {s['at_s']:6.2f} {s['lag_ms']:6.1f} = {s['queued_ms']:5.1f} + "
+            f"{s['ran_ms']:5.1f} + {blocked:6.1f}  {s['span']}  {gcs}"
+        )
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -347,10 +354,20 @@ def main(argv: list[str] | None = None) -> int:
     add("--explain", action="store_true", help="attribute wake-ups > 5 ms late")
     add("--backend", choices=("asyncio", "trio"), action="append")
     add("--repeats", type=int, default=1, help="measure each this often")
-    add("--set", metavar="KEY=VALUE", action="append", default=[],
-        help="a config override for the trained run (repeatable)")
-    add("--against", metavar="TREE", type=Path, help="also measure this checkout (e.g. a "
-        "worktree of the commit before), interleaved with this one")
+    add(
+        "--set",
+        metavar="KEY=VALUE",
+        action="append",
+        default=[],
+        help="a config override for the trained run (repeatable)",
+    )
+    add(
+        "--against",
+        metavar="TREE",
+        type=Path,
+        help="also measure this checkout (e.g. a "
+        "worktree of the commit before), interleaved with this one",
+    )
     add("--json", metavar="PATH", type=Path, help="also write the figures here")
     add("--measure", metavar="REQUEST", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
@@ -391,11 +408,13 @@ def main(argv: list[str] | None = None) -> int:
             print_spikes(tree, backend, compute, r)
     busy, repeated = others.stop(), sum(r["attempts"] - 1 for *_, r in rows)
     disturbed = sum((r["others_cpus"] or 0) > BUSY_CPUS for *_, r in rows)
-    print(f"\ntarget while training (thread compute): p99 <= {TARGET_P99_MS:g} ms, max <= "
-          f"{TARGET_MAX_MS:g} ms; inline compute runs on the loop and blocks it by design.\n"
-          f"other processes kept {busy or 0:.2f} CPUs busy on average; {repeated} measurement(s) "
-          f"repeated for being disturbed (> {BUSY_CPUS:g} CPUs), {disturbed} still were"
-          + (": figures unreliable, rerun on an idle machine" if disturbed else ""))
+    print(
+        f"\ntarget while training (thread compute): p99 <= {TARGET_P99_MS:g} ms, max <= "
+        f"{TARGET_MAX_MS:g} ms; inline compute runs on the loop and blocks it by design.\n"
+        f"other processes kept {busy or 0:.2f} CPUs busy on average; {repeated} measurement(s) "
+        f"repeated for being disturbed (> {BUSY_CPUS:g} CPUs), {disturbed} still were"
+        + (": figures unreliable, rerun on an idle machine" if disturbed else "")
+    )
     if args.json is not None:
         figures = [{"tree": trees[t] or INSTALLED, "backend": b, "compute": c, **r}
                    for t, b, c, r in rows]  # fmt: skip

@@ -321,9 +321,11 @@ def print_report(head: dict[str, Any], noop: list[NoopRow], sft: SFTResult) -> N
     for table in tables(noop, sft, head["retried"], head["disturbed"]):
         print("\n".join(markdown_table(table, plot=False)))
     for s in sft.rows:
-        print(f"{s.backend}/{s.compute}: template share {s.template_pct:.2f} % (target < "
-              f"{TARGET_PCT:g} %: {'met' if s.target_met else 'NOT met'}); run vs plain "
-              f"{s.overhead_pct:+.2f} %, median step {s.median_step_overhead_pct:+.2f} %")
+        print(
+            f"{s.backend}/{s.compute}: template share {s.template_pct:.2f} % (target < "
+            f"{TARGET_PCT:g} %: {'met' if s.target_met else 'NOT met'}); run vs plain "
+            f"{s.overhead_pct:+.2f} %, median step {s.median_step_overhead_pct:+.2f} %"
+        )
     others = head["other_processes_cpus"]
     print("other processes: not watched (no /proc/stat)" if others is None else
           f"other processes kept {others:.2f} CPUs busy on average (> {BUSY_CPUS:g}: "
@@ -335,8 +337,10 @@ def print_comparison(rows: list[NoopRow], tree: Path) -> None:
           f"of its own)\n{'backend':8} {'compute':8} {'before µs':>10} {'now µs':>9} "
           f"{'now/before':>11}")  # fmt: skip
     for now, before in zip(rows[::2], rows[1::2], strict=True):
-        print(f"{now.backend:8} {now.compute:8} {before.us_per_step:10.1f} "
-              f"{now.us_per_step:9.1f} {now.us_per_step / before.us_per_step:11.3f}")
+        print(
+            f"{now.backend:8} {now.compute:8} {before.us_per_step:10.1f} "
+            f"{now.us_per_step:9.1f} {now.us_per_step / before.us_per_step:11.3f}"
+        )
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -346,8 +350,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     add("--json", metavar="PATH", type=Path, help="also write the figures here")
     add("--in-process", action="store_true", help="SFT in this process (see the module doc)")
     add("--threads", type=int, default=TORCH_THREADS, help="torch intra-op threads (default 2)")
-    add("--against", metavar="TREE", type=Path, help="also compare the no-op cost per step "
-        "with another checkout (e.g. a worktree of an older commit), side by side")
+    add(
+        "--against",
+        metavar="TREE",
+        type=Path,
+        help="also compare the no-op cost per step "
+        "with another checkout (e.g. a worktree of an older commit), side by side",
+    )
     add("--measure", metavar="REQUEST", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
@@ -370,8 +379,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         noop = measure_noop(settings, Path(scratch), in_process)
         sft = measure_sft(settings, Path(scratch), in_process if args.in_process else isolated,
                           noop)  # fmt: skip
-        compared = [] if args.against is None else measure_noop(  # run directories of their own
-            settings, Path(tempfile.mkdtemp(dir=scratch)), isolated, args.against.resolve())
+        compared = (
+            []
+            if args.against is None
+            else measure_noop(  # run directories of their own
+                settings, Path(tempfile.mkdtemp(dir=scratch)), isolated, args.against.resolve()
+            )
+        )
     head["other_processes_cpus"] = others.stop()
     for field in ("measured", "retried", "disturbed"):
         head[field] = getattr(in_process, field) + getattr(isolated, field)

@@ -82,6 +82,7 @@ async def measure(model: str, batches: int, publishes: int, tmp: Path) -> dict[s
         await workers.stop()
         train.close()
         rollout_lane.close()
+
     def ms(xs: list[float]) -> float:
         return 1000 * statistics.median(xs)
 
