@@ -42,6 +42,11 @@ def pytest_configure(config: pytest.Config) -> None:
     config.addinivalue_line(
         "markers", "slow: several seconds (subprocesses, deadlines); runs in CI, never skipped"
     )
+    config.addinivalue_line(
+        "markers",
+        "long: minutes, and what it covers also runs in a shorter test; left out by default "
+        "(pyproject's addopts), run with `python -m pytest -m long`",
+    )
 
 
 def pytest_terminal_summary(terminalreporter: Any) -> None:

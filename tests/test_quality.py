@@ -27,8 +27,6 @@ LONG_FUNCTIONS = {
     # The endpoint's routes (models, health, completions, chat) as closures over the
     # served policy, the batcher and the bearer token.
     "corun.serve.app.build_app": 108,
-    # A benchmark's command line: ten options, the measuring child's entry, the report.
-    "corun.bench.host_lag.main": 62,
 }
 
 

@@ -15,8 +15,8 @@ import torch
 from torch import Tensor, nn
 
 from corun import CheckpointError, SetupContext
-from corun.host.prerequisites import checkpoint_for, is_config
 from corun.records.checkpoint import read
+from corun.records.prerequisites import checkpoint_for, is_config
 
 M = TypeVar("M", bound=nn.Module)
 R = TypeVar("R")

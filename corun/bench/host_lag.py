@@ -346,7 +346,7 @@ def print_spikes(tree: str, backend: str, compute: str, r: dict[str, Any]) -> No
         )
 
 
-def main(argv: list[str] | None = None) -> int:
+def parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description="Host event-loop lag while corun trains.")
     add = parser.add_argument
     add("--quick", action="store_true", help="smoke mode: 20 steps")
@@ -354,28 +354,22 @@ def main(argv: list[str] | None = None) -> int:
     add("--explain", action="store_true", help="attribute wake-ups > 5 ms late")
     add("--backend", choices=("asyncio", "trio"), action="append")
     add("--repeats", type=int, default=1, help="measure each this often")
-    add(
-        "--set",
-        metavar="KEY=VALUE",
-        action="append",
-        default=[],
-        help="a config override for the trained run (repeatable)",
-    )
-    add(
-        "--against",
-        metavar="TREE",
-        type=Path,
-        help="also measure this checkout (e.g. a "
-        "worktree of the commit before), interleaved with this one",
-    )
+    add("--set", metavar="KEY=VALUE", action="append", default=[],
+        help="a config override for the trained run (repeatable)")  # fmt: skip
+    add("--against", metavar="TREE", type=Path,
+        help="also measure this checkout (e.g. a worktree of the commit before), "
+        "interleaved with this one")  # fmt: skip
     add("--json", metavar="PATH", type=Path, help="also write the figures here")
     add("--measure", metavar="REQUEST", help=argparse.SUPPRESS)
-    args = parser.parse_args(argv)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parser().parse_args(argv)
     if args.measure:  # a child of in_fresh_process: one measurement, one JSON line
         request = json.loads(args.measure)
         print(json.dumps(anyio.run(host, request, backend=request["backend"])))
         return 0
-
     idle_s, retries, overrides = GRIDS["quick" if args.quick else "full"]
     overrides = [*overrides, *args.set]
     trees = {"this": None} | ({"other": str(args.against.resolve())} if args.against else {})
@@ -390,10 +384,23 @@ def main(argv: list[str] | None = None) -> int:
         f"{overrides or 'none'}; {os.cpu_count()} CPUs, load {os.getloadavg()[0]:.2f} at "
         "start); trees: " + ", ".join(f"{t} = {path or INSTALLED}" for t, path in trees.items())
     )
-    others, rows = OtherLoad(), []
+    others = OtherLoad()
+    rows = measure_all(args, variants, trees, (idle_s, retries, overrides))
+    report(rows, others.stop(), args.json, trees)
+    return 0
+
+
+def measure_all(
+    args: argparse.Namespace, variants: list[tuple[str, str, str]],
+    trees: dict[str, str | None], grid: tuple[float, int, list[str]],
+) -> list[Row]:  # fmt: skip
+    """Each variant measured in a fresh process, ``args.repeats`` times, in an order
+    that alternates so no variant holds a fixed slot."""
+    idle_s, retries, overrides = grid
+    rows: list[Row] = []
     with tempfile.TemporaryDirectory(prefix="corun-host-lag-") as scratch:
         for repeat in range(args.repeats):
-            order = variants if repeat % 2 == 0 else variants[::-1]  # no fixed slots
+            order = variants if repeat % 2 == 0 else variants[::-1]
             for n, (tree, backend, compute) in enumerate(order):
                 request = {
                     "backend": backend, "compute": compute, "idle_s": idle_s,
@@ -402,11 +409,17 @@ def main(argv: list[str] | None = None) -> int:
                 } | ({"tree": trees[tree]} if trees[tree] else {})  # fmt: skip
                 rows.append((tree, backend, compute, in_fresh_process(request)))
     rows.sort(key=lambda row: variants.index(row[:3]))
+    return rows
+
+
+def report(
+    rows: list[Row], busy: float | None, json_path: Path | None, trees: dict[str, str | None]
+) -> None:
     print_table(rows)
     for tree, backend, compute, r in rows:
         if "spikes" in r:
             print_spikes(tree, backend, compute, r)
-    busy, repeated = others.stop(), sum(r["attempts"] - 1 for *_, r in rows)
+    repeated = sum(r["attempts"] - 1 for *_, r in rows)
     disturbed = sum((r["others_cpus"] or 0) > BUSY_CPUS for *_, r in rows)
     print(
         f"\ntarget while training (thread compute): p99 <= {TARGET_P99_MS:g} ms, max <= "
@@ -415,11 +428,10 @@ def main(argv: list[str] | None = None) -> int:
         f"repeated for being disturbed (> {BUSY_CPUS:g} CPUs), {disturbed} still were"
         + (": figures unreliable, rerun on an idle machine" if disturbed else "")
     )
-    if args.json is not None:
+    if json_path is not None:
         figures = [{"tree": trees[t] or INSTALLED, "backend": b, "compute": c, **r}
                    for t, b, c, r in rows]  # fmt: skip
-        args.json.write_text(json.dumps(figures, indent=1) + "\n")
-    return 0
+        json_path.write_text(json.dumps(figures, indent=1) + "\n")
 
 
 if __name__ == "__main__":

@@ -5,7 +5,7 @@ config asks for, assembled here, outside the loop:
 - the policy endpoint (corun/serve/server.py) with ``[serve] enabled``, or for
   ``corun serve`` (a serve-only session);
 - the prerequisite runs a trainer names (``Trainer.prerequisites()``), each trained by
-  this same function, unless complete already (corun/host/prerequisites.py).
+  this same function, unless complete already (corun/records/prerequisites.py).
 
 The command line, embedding (``corun.training``) and the public ``corun.run`` all start
 runs through :func:`run`.
@@ -23,12 +23,12 @@ from corun.contract.config_file import load_config
 from corun.contract.episodes import EpisodeInbox
 from corun.contract.registry import resolve_trainer
 from corun.contract.trainer import Outcome, Trainer
-from corun.host.prerequisites import final_checkpoint
 from corun.loop import template
 from corun.loop.extensions import Extensions
 from corun.loop.lanes import lane
 from corun.loop.session import Session
 from corun.loop.teardown import RunControl
+from corun.records.prerequisites import final_checkpoint
 from corun.scale.ray_workers import RayWorkers
 from corun.serve.server import Endpoint
 

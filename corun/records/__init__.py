@@ -1,3 +1,3 @@
 """What a run leaves on disk: checkpoint files, events and traces, metrics reporting,
-the run directory's guard.
+the run directory's guard, and finding a finished run's checkpoint (warm starts).
 """

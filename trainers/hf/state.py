@@ -17,8 +17,8 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from corun import CheckpointError, ConfigError
-from corun.host.prerequisites import checkpoint_for
 from corun.records.checkpoint import latest, read
+from corun.records.prerequisites import checkpoint_for
 from trainers.hf.policy import HFPolicy, load_policy, quiet_transformers
 
 if TYPE_CHECKING:
