@@ -1,4 +1,4 @@
-"""The Gymnasium adapter (trainers/agentic/gym.py): a multi-turn text env with a lookup
+"""The Gymnasium adapter (corun/agents/gym.py): a multi-turn text env with a lookup
 tool step by step, terminated and truncated, values off the API, environments that
 raise or hang inside corun's episode runner, and a slow env step that leaves the event
 loop free."""

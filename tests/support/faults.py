@@ -162,7 +162,7 @@ class Injector:
     ) -> None:
         """In async code: raise, sleep, or hang a thread — on ``lane`` (its calls then
         wait behind the hung one), else in a worker thread the caller abandons when
-        cancelled (as trainers/agentic/gym.py runs an environment's calls)."""
+        cancelled (as corun/agents/gym.py runs an environment's calls)."""
         fault = self.due(phase)
         if fault is None:
             return
