@@ -19,6 +19,7 @@ pytest.register_assert_rewrite("tests.support")
 pytest_plugins = [
     "tests.support.cli",  # restore_process_state
     "tests.support.corun_process",  # start_corun
+    "tests.support.hf_agents",  # tool_model
     "tests.support.vllm_fixtures",  # model_dir, chat, policy
 ]
 

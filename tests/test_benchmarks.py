@@ -99,3 +99,19 @@ def test_distributed_benchmark_quick(tmp_path: Path) -> None:
     assert {(r["kind"], r["nproc"]) for r in figures} == {
         (k, n) for k in ("sft", "grpo") for n in (1, 2)
     }
+
+
+@pytest.mark.slow
+def test_endpoint_hf_benchmark_quick(tmp_path: Path) -> None:
+    """The endpoint on the built-in tiny model (local engine): every concurrency with
+    and without capture, and requests during verified weight syncs."""
+    stdout, figures, _ = _quick_benchmark("endpoint_hf", tmp_path, timeout=300)
+    assert "vs no capture" in stdout and "overlapping: extra ms" in stdout
+    settings = figures["settings"]
+    assert {(r["agents"], r["capture"]) for r in figures["load"]} == {
+        (a, c) for a in settings["agents"] for c in (False, True)
+    }
+    assert all(r["tokens_per_s"] > 0 and r["p99_ms"] >= r["p50_ms"] > 0 for r in figures["load"])
+    (sync,) = figures["sync"]
+    assert sync["engine"] == "local" and sync["syncs"] == settings["syncs"]
+    assert sync["overlapping"] > 0 and sync["clear"] > 0

@@ -34,16 +34,17 @@ class Shape:
     d_model, n_layers, n_heads = 32, 1, 2
 
 
-def policy() -> CalculatorPolicy:
+def policy(lane: Lane) -> CalculatorPolicy:
+    """The calculator policy of a fresh tiny TinyLM, generating on ``lane``."""
     torch.manual_seed(0)
     engine = LocalEngine(build_agent(Shape()))
-    return CalculatorPolicy(MODEL, calculator.MAX_LEN, lambda: engine)
+    return CalculatorPolicy(MODEL, calculator.MAX_LEN, lambda: engine, lane)
 
 
 @asynccontextmanager
 async def serving(**settings: Any) -> AsyncIterator[tuple[Endpoint, EpisodeInbox]]:
-    inbox = EpisodeInbox()
-    endpoint = Endpoint(policy(), ServeConfig(enabled=True, **settings), Lane("serve"), inbox)
+    inbox, lane = EpisodeInbox(), Lane("serve")
+    endpoint = Endpoint(policy(lane), ServeConfig(enabled=True, **settings), lane, inbox)
     async with anyio.create_task_group() as tasks:
         await tasks.start(endpoint.run)
         try:
@@ -95,7 +96,7 @@ async def test_openai_client_and_streaming(anyio_backend: str) -> None:
 
 
 def test_a_well_formed_call_is_a_tool_call() -> None:
-    served = policy()
+    served = policy(Lane("unused"))
     reply = served.reply([*calculator.encode("(123+456)"), calculator.EOS], ["calculator"])
     assert reply.content is None
     assert json.loads(reply.tool_calls[0].function.arguments) == {"expression": "123+456"}

@@ -32,8 +32,9 @@ from tests.support.fuzz_support import FUZZ, count, json_values
 from tests.test_endpoint import MODEL, chat, policy
 
 TOKEN = "s3cret"
-ROUTES = ["/v1/chat/completions", "/v1/completions", "/v1/models", "/health",
-          "/v1/episodes/e1/reward", "/v1/nope", "/", "/v1/episodes//reward"]  # fmt: skip
+ROUTES = ["/v1/chat/completions", "/v1/completions", "/episodes/e1/v1/chat/completions",
+          "/v1/models", "/health", "/v1/episodes/e1/reward", "/v1/nope", "/",
+          "/v1/episodes//reward", "/episodes/e1/v1/models"]  # fmt: skip
 
 
 @dataclass
@@ -53,9 +54,10 @@ class Served:
 
 @pytest.fixture(scope="module")
 def served() -> Iterator[Served]:
-    served_policy = policy()
+    lane = Lane("serve-fuzz")
+    served_policy = policy(lane)
     with start_blocking_portal("asyncio") as portal:
-        batcher = Batcher(served_policy, Lane("serve-fuzz"), max_batch=8, wait_s=0.0)
+        batcher = Batcher(served_policy, max_batch=8, wait_s=0.0)
         recorder = Recorder(served_policy, None, ttl_s=600)
         future = portal.start_task_soon(batcher.run)
 
@@ -71,6 +73,7 @@ def served() -> Iterator[Served]:
             for c in clients:
                 portal.call(c.aclose)
             future.cancel()
+            lane.close()
 
 
 def check(response: httpx.Response) -> Any:
@@ -99,11 +102,18 @@ def still_serving(served: Served) -> None:
 
 numbers = st.sampled_from([0, 1, -1, 48, 2**31, 2**63, 2**64, 2**70, -(2**70), 1e308, 0.5, -0.0])
 anything = numbers | json_values
+# Content as a list of parts: text (the parts joined) or another kind (refused).
+text_parts = st.fixed_dictionaries(
+    {"type": st.sampled_from(["text", "image_url"]), "text": st.text("0123456789+=", max_size=6)}
+)
 messages = st.lists(
     st.fixed_dictionaries(
         {"role": st.sampled_from(["user", "assistant", "tool", "system", "robot"])},
         optional={
-            "content": st.none() | st.text(alphabet="0123456789+=()x", max_size=12) | anything,
+            "content": st.none()
+            | st.text(alphabet="0123456789+=()x", max_size=12)
+            | anything
+            | st.lists(text_parts, max_size=2),
             "tool_calls": st.lists(
                 st.fixed_dictionaries(
                     {
@@ -124,7 +134,8 @@ messages = st.lists(
     max_size=4,
 )
 CHAT_FIELDS = ["model", "messages", "tools", "max_tokens", "max_completion_tokens", "temperature",
-               "top_p", "stream", "logprobs", "seed", "n", "episode_id", "group"]  # fmt: skip
+               "top_p", "stream", "logprobs", "seed", "n", "episode_id", "group", "stop",
+               "top_logprobs", "stream_options", "tool_choice", "parallel_tool_calls"]  # fmt: skip
 COMPLETION_FIELDS = ["model", "prompt", "max_tokens", "temperature", "top_p", "stream",
                      "logprobs", "seed", "n"]  # fmt: skip
 
@@ -179,7 +190,7 @@ content_types = st.sampled_from(
 
 
 @settings(FUZZ, max_examples=300)
-@given(route=st.sampled_from(ROUTES[:2]), body=bodies, content_type=content_types)
+@given(route=st.sampled_from(ROUTES[:3]), body=bodies, content_type=content_types)
 def test_fuzzed_requests(served: Served, route: str, body: bytes, content_type: str) -> None:
     count("endpoint/requests")
     headers = {"content-type": content_type} if content_type else {}

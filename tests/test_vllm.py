@@ -4,6 +4,12 @@
   trainer's ``rollout_logprobs``) at version 0 and after three syncs of changed
   weights, sampled with top-p, at the full distribution and greedy; each sync is real
   (the old weights' log-probs differ).
+- Top log-probs are the policy's most likely tokens under the behaviour distribution;
+  after each sync the engine's weights fingerprint (computed in vLLM's worker) is the
+  trained state's, and a sync that silently did not reload fails with the version.
+- Concurrent generations share the running engine (continuous batching): a call that
+  joins a running one finishes first when it is shorter, on asyncio and trio;
+  cancelling one, or one vLLM rejects, leaves the others running.
 - A failed weight reload kills the engine: EngineError, ``health()`` false, every
   later call fails at once; a cancelled generation frees its requests.
 - An in-process ``hf_grpo`` run with ``engine = "vllm"`` trains and syncs.
@@ -20,6 +26,7 @@ from __future__ import annotations
 
 import math
 import signal
+import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -30,7 +37,7 @@ import pytest
 pytest.importorskip("vllm")
 
 import corun
-from corun.contract.engine import Sampling
+from corun.contract.engine import EngineError, Sampling
 from corun.engines.options import VLLMConfig
 from corun.engines.vllm_engine import VLLMEngine
 from corun.records.events import read_records
@@ -45,8 +52,10 @@ from tests.support.vllm_helpers import (
     TOLERANCE,
     Engines,
     assert_failed_reload_kills,
+    assert_fingerprints_follow_syncs,
     assert_gone,
     assert_logprobs_follow_syncs,
+    assert_top_logprobs,
     hf_trainer,
     max_diff,
     prompts,
@@ -86,6 +95,87 @@ async def test_behaviour_logprobs_match_policy_across_syncs(
     engine = await engines.get()
     with anyio.fail_after(120):
         await assert_logprobs_follow_syncs(engine, policy, chat, sampling_of(case, chat))
+
+
+@pytest.mark.parametrize("case", list(SAMPLINGS))
+@pytest.mark.anyio
+async def test_top_logprobs(
+    engines: Engines[VLLMEngine], policy: HFPolicy, chat: ChatFormat, case: str
+) -> None:
+    engine = await engines.get()
+    with anyio.fail_after(60):
+        await assert_top_logprobs(engine, policy, chat, sampling_of(case, chat))
+
+
+@pytest.mark.anyio
+async def test_fingerprint_follows_syncs(engines: Engines[VLLMEngine], policy: HFPolicy) -> None:
+    """vLLM's worker holds the HF state's values (fused, padded, the linear weights
+    repacked for oneDNN): same fingerprint after each sync, another after a change."""
+    engine = await engines.get()
+    with anyio.fail_after(60):
+        await assert_fingerprints_follow_syncs(engine, policy)
+
+
+def running(engine: VLLMEngine) -> bool:
+    """Whether vLLM has requests (read from the test: a snapshot, good enough to wait on)."""
+    return bool(engine._llm.llm_engine.has_unfinished_requests())
+
+
+@pytest.mark.anyio
+async def test_concurrent_generations_share_the_engine(
+    engines: Engines[VLLMEngine], chat: ChatFormat
+) -> None:
+    """A short call started while a long one runs joins its batch and finishes well
+    before it (one lane call per generation would make it wait for the long one)."""
+    engine = await engines.get()
+    rows = prompts(chat, 4)
+    ended: dict[str, float] = {}
+
+    async def run(name: str, max_tokens: int) -> None:
+        await engine.generate(rows, Sampling(max_tokens=max_tokens), 0)
+        ended[name] = time.monotonic()
+
+    with anyio.fail_after(60):
+        async with anyio.create_task_group() as tasks:
+            tasks.start_soon(run, "long", 150)
+            while not running(engine):  # noqa: ASYNC110 (vLLM, on its lane)
+                await anyio.sleep(0.01)
+            tasks.start_soon(run, "short", 4)
+    assert ended["short"] < ended["long"], ended
+    assert not running(engine)
+
+
+@pytest.mark.anyio
+async def test_cancelled_or_rejected_call_leaves_the_others(
+    engines: Engines[VLLMEngine], chat: ChatFormat
+) -> None:
+    """Beside a running call: one cancelled mid-generation and one whose prompt vLLM
+    rejects (a token outside the vocabulary) end alone; the running one completes."""
+    engine = await engines.get()
+    rows = prompts(chat, 16)
+    long = Sampling(max_tokens=200)  # no stop: every row runs to its length
+    ended: dict[str, float] = {}
+
+    async def run_long() -> None:
+        generations = await engine.generate(rows, long, 0)
+        ended["long"] = time.monotonic()
+        assert [len(g.ids) for g in generations] == [200] * len(rows)
+
+    with anyio.fail_after(60):
+        async with anyio.create_task_group() as tasks:
+            tasks.start_soon(run_long)
+            while not running(engine):  # noqa: ASYNC110 (vLLM, on its lane)
+                await anyio.sleep(0.01)
+            with anyio.move_on_after(0.1) as cut:
+                await engine.generate(rows, long, 1)
+            assert cut.cancelled_caught
+            with pytest.raises(EngineError, match="vLLM rejected a prompt"):
+                await engine.generate([[0, 10**6]], long, 2)
+            ended["others"] = time.monotonic()
+        assert ended["others"] < ended["long"], ended  # both ended while it ran
+        assert not running(engine)
+        assert await engine.health()
+        assert len(await engine.generate(rows, Sampling(max_tokens=2), 3)) == len(rows)
 
 
 @pytest.mark.anyio

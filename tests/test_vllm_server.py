@@ -2,7 +2,9 @@
 (corun/engines/vllm_server.py, corun/engines/vllm_worker.py).
 
 - Behaviour log-probs over HTTP match the HF policy's recomputed ones at version 0 and
-  after three weight syncs (top-p, full distribution, greedy); every sync is real.
+  after three weight syncs (top-p, full distribution, greedy); every sync is real. Top
+  log-probs are the policy's most likely tokens; the weights fingerprint the server's
+  worker reports follows the syncs, and a skipped sync fails with its version.
 - A failed reload kills the engine: EngineError, ``health()`` false, later calls fail
   at once, and shutdown leaves no process of the server's group.
 - Through a real ``corun train``: a bad server option is exit 2 naming it; Ctrl-C
@@ -40,8 +42,10 @@ from tests.support.vllm_helpers import (
     SAMPLINGS,
     Engines,
     assert_failed_reload_kills,
+    assert_fingerprints_follow_syncs,
     assert_group_gone,
     assert_logprobs_follow_syncs,
+    assert_top_logprobs,
     hf_trainer,
     sampling_of,
 )
@@ -72,6 +76,26 @@ async def test_behaviour_logprobs_match_policy_across_syncs(
     engine = await servers.get()
     with anyio.fail_after(120):
         await assert_logprobs_follow_syncs(engine, policy, chat, sampling_of(case, chat))
+
+
+@pytest.mark.parametrize("case", list(SAMPLINGS))
+@pytest.mark.parametrize("anyio_backend", ["asyncio"])  # HTTP: the backends are above
+@pytest.mark.anyio
+async def test_top_logprobs(
+    servers: Engines[VLLMServerEngine], policy: HFPolicy, chat: ChatFormat, case: str
+) -> None:
+    engine = await servers.get()
+    with anyio.fail_after(60):
+        await assert_top_logprobs(engine, policy, chat, sampling_of(case, chat))
+
+
+@pytest.mark.anyio
+async def test_fingerprint_follows_syncs(
+    servers: Engines[VLLMServerEngine], policy: HFPolicy
+) -> None:
+    engine = await servers.get()
+    with anyio.fail_after(60):
+        await assert_fingerprints_follow_syncs(engine, policy)
 
 
 @pytest.mark.parametrize("anyio_backend", ["asyncio"])  # a second server start: ~30 s

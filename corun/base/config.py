@@ -206,8 +206,9 @@ class ServeConfig(Section, frozen=True, forbid_unknown_fields=True, kw_only=True
     port: Annotated[int, msgspec.Meta(ge=0, le=65535)] = 0  # 0: any free port
     # Required as "Authorization: Bearer <token>" when set; "env:NAME" reads $NAME.
     token: str = ""
-    # Concurrent requests generated together: up to this many per batch, gathered for
-    # up to batch_wait_ms after the first one arrives.
+    # Concurrent requests generated together: up to this many replies per batch (a
+    # request with n = 2 counts twice), gathered for up to batch_wait_ms after the
+    # first one arrives.
     max_batch: PositiveInt = 64
     batch_wait_ms: Annotated[float, msgspec.Meta(ge=0)] = 2.0
     # An episode recorded through the endpoint and never finished is dropped after this.

@@ -56,27 +56,27 @@ async def tokens_per_s(url: str, agents: int, requests: int) -> float:
         return tokens / (time.perf_counter() - started)
 
 
-def raw_tokens_per_s(policy: ServedPolicy, rows: int, repeats: int = 5) -> float:
+async def raw_tokens_per_s(policy: ServedPolicy, rows: int, repeats: int = 5) -> float:
     """The same generation without HTTP: ``rows`` prompts in one call."""
     prompts = [policy.encode(PROMPT)] * rows
     sampling = Sampling(10, 1.0, 1.0)
     started, tokens = time.perf_counter(), 0
     for _ in range(repeats):
-        done = policy.generate(prompts, sampling, torch.Generator().manual_seed(0))
+        done = await policy.generate(prompts, sampling, 0)
         tokens += sum(len(c.ids) for c in done)
     return tokens / (time.perf_counter() - started)
 
 
-def served_policy() -> ServedPolicy:
+def served_policy(lane: Lane) -> ServedPolicy:
     """The ``agentic`` trainer's policy as the endpoint serves it, freshly initialised
-    (through the registry, as ``corun serve`` finds it)."""
+    (through the registry, as ``corun serve`` finds it), generating on ``lane``."""
     torch.manual_seed(0)
     with tempfile.TemporaryDirectory(prefix="corun-bench-endpoint-") as run_dir:
         config = config_from_dict({"run": {"name": "bench", "dir": run_dir},
                                    "serve": {"enabled": True}, "trainer": AGENT})  # fmt: skip
         trainer = resolve_trainer(config.trainer.kind)(config)
         trainer.setup(SetupContext(config))
-    policy = trainer.served_policy()
+    policy = trainer.served_policy(lane)
     assert policy is not None, "the agentic trainer serves its policy"
     return policy
 
@@ -86,10 +86,9 @@ async def measure(
 ) -> tuple[list[tuple[int, float, int]], list[tuple[int, float]]]:
     """(agents, tokens/s, generation calls) per concurrency, ``total`` requests each, and
     (prompts, tokens/s) of one generate call without HTTP."""
-    policy = served_policy()
-    endpoint = Endpoint(
-        policy, ServeConfig(enabled=True, batch_wait_ms=wait_ms), Lane("serve", torch_threads=2)
-    )
+    lane = Lane("serve", torch_threads=2)
+    policy = served_policy(lane)
+    endpoint = Endpoint(policy, ServeConfig(enabled=True, batch_wait_ms=wait_ms), lane)
     rows = []
     async with anyio.create_task_group() as tasks:
         await tasks.start(endpoint.run)
@@ -98,8 +97,8 @@ async def measure(
             before = endpoint.batcher.batches
             rate = await tokens_per_s(endpoint.url, agents, max(1, total // agents))
             rows.append((agents, rate, endpoint.batcher.batches - before))
+        raw = [(n, await raw_tokens_per_s(policy, n)) for n in agent_counts]
         await endpoint.stop()
-    raw = [(n, raw_tokens_per_s(policy, n)) for n in agent_counts]
     return rows, raw
 
 

@@ -39,6 +39,7 @@ SUITES = {  # name: the module (corun/bench/<module>.py) whose `suite` it is
     "ctrl_c": "ctrl_c",
     "host_lag": "host_lag",
     "endpoint": "endpoint",
+    "endpoint_hf": "endpoint_hf",
     "engines": "engines",
     "shared": "shared",
 }

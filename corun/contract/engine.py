@@ -6,8 +6,12 @@ Token ids in, token ids out: an engine never sees text, so what it samples is wh
 trained (no re-tokenization). Each sampled token comes with its behaviour log-prob —
 under the temperature-scaled distribution, before top-p truncation, which is what a
 trainer recomputes, so the ratio is 1 for unchanged weights — and the policy version
-of the weights that produced it. Every method is ``async``: an engine behind I/O
-awaits it; an in-process one runs its compute on a lane.
+of the weights that produced it; on request, also the most likely tokens of each step
+under that same distribution (``top_logprobs``, for an OpenAI-style endpoint). After a
+weight sync the engine reports a fingerprint of the weights it serves, computed from
+its own copy (corun/engines/fingerprint.py), so a sync that did not take is caught.
+Every method is ``async``: an engine behind I/O awaits it; an in-process one runs its
+compute on a lane.
 
 Kept free of any engine's types, so another engine (SGLang, say) is an adapter away.
 """
@@ -20,6 +24,8 @@ from typing import Literal, Protocol
 
 from torch import Tensor
 
+MAX_TOP_LOGPROBS = 20  # the most top log-probs a Sampling may ask for (OpenAI's limit)
+
 
 @dataclass(frozen=True)
 class Sampling:
@@ -27,6 +33,13 @@ class Sampling:
     temperature: float = 1.0  # 0: greedy
     top_p: float = 1.0
     stop_ids: tuple[int, ...] = ()  # a sampled stop id ends the sequence (it is kept)
+    # Per sampled token, also this many most likely tokens (ids, log-probs) under the
+    # distribution of the behaviour log-prob (temperature-scaled, before top-p).
+    top_logprobs: int = 0
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.top_logprobs <= MAX_TOP_LOGPROBS:
+            raise ValueError(f"top_logprobs {self.top_logprobs} is not in 0..{MAX_TOP_LOGPROBS}")
 
 
 Finish = Literal["stop", "length"]
@@ -40,6 +53,8 @@ class Generation:
     logprobs: list[float]
     versions: list[int]
     finish: Finish
+    # With Sampling.top_logprobs: per token, the most likely (id, log-prob), best first.
+    top: list[list[tuple[int, float]]] | None = None
 
 
 class EngineError(RuntimeError):
@@ -66,6 +81,12 @@ class Engine(Protocol):
 
     async def update_weights(self, state: Mapping[str, Tensor], version: int) -> None:
         """Load ``state`` (the trained model's state dict) as policy ``version``."""
+        ...
+
+    async def fingerprint(self) -> str:
+        """A fingerprint of the weights a generation started now would use, computed
+        from the engine's own copy (corun/engines/fingerprint.py): equal to
+        ``weights_fingerprint`` of the state it last loaded, if it loaded it."""
         ...
 
     async def pause(self) -> None:
@@ -103,6 +124,9 @@ class EngineWrapper:
 
     async def update_weights(self, state: Mapping[str, Tensor], version: int) -> None:
         await self.inner.update_weights(state, version)
+
+    async def fingerprint(self) -> str:
+        return await self.inner.fingerprint()
 
     async def pause(self) -> None:
         await self.inner.pause()

@@ -60,6 +60,9 @@ class Episode:
     status: EpisodeStatus = "done"
     reason: str = ""  # why it failed or timed out
     group: str = ""  # the task it belongs to: GRPO compares the episodes of a group
+    # The weights fingerprint of the version of its newest token ("" when not known):
+    # set by the endpoint's capture, so training can tell which weights sampled it.
+    fingerprint: str = ""
 
     def add_turn(
         self, ids: list[int], logprobs: list[float], versions: list[int], fillers: int,

@@ -57,6 +57,9 @@ class Batch:
     metrics: Mapping[str, float] = field(default_factory=dict)
     version: int = -1
     index: int = -1
+    # The fingerprint of the weights that generated it, as the engine reported them at
+    # the sync of ``version`` (corun/engines/fingerprint.py); "" when not known.
+    weights: str = ""
 
 
 @dataclass(frozen=True)
@@ -286,12 +289,16 @@ class Trainer(Generic[C]):
         ``loop.accumulate`` steps."""
         raise NotImplementedError
 
-    def sync_weights(self, version: int) -> Awaitable[None] | None:
-        """Publish the trained weights (policy ``version``) to the rollout engine."""
+    def sync_weights(self, version: int) -> Awaitable[str | None] | str | None:
+        """Publish the trained weights (policy ``version``) to the rollout engine; may
+        return the fingerprint of the weights the engine now serves, once verified
+        against the trained ones (recorded with the ``sync`` event)."""
 
-    def served_policy(self) -> ServedPolicy | None:
-        """The policy behind the endpoint (``[serve] enabled``): tokenization, the reply
-        format and batched generation from the rollout side's newest weights."""
+    def served_policy(self, lane: Lane) -> ServedPolicy | None:
+        """The policy behind the endpoint (``[serve] enabled``): chat rendering, the
+        reply format and batched generation from the rollout side's newest weights.
+        ``lane`` is the endpoint's own compute lane, for a policy that generates in
+        process (an engine-backed policy ignores it)."""
         return None
 
     # ---- evaluation

@@ -9,5 +9,7 @@ none of them: torch, transformers and vLLM load with the module that needs them.
 - :mod:`.vllm_engine`: ``vllm``, vLLM in this process
 - :mod:`.vllm_server`: ``vllm-server``, vLLM's OpenAI server as a child process
 - :mod:`.vllm_common`: what the two vLLM engines share
-- :mod:`.vllm_worker`: what runs inside vLLM (behaviour log-probs, weight reloads)
+- :mod:`.vllm_worker`: what runs inside vLLM (behaviour and top log-probs, weight
+  reloads, the weights fingerprint)
+- :mod:`.fingerprint`: fingerprints of weights, and the weight sync that checks one
 """

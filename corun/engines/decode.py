@@ -8,7 +8,10 @@ row computes what it would alone. Log-probs are under the full temperature-scale
 distribution (what the trainer recomputes; top-p only narrows what is drawn), and
 each token records the weight version that produced it. When ``weights_version``
 reports newer weights between two steps (a partial rollout), the cache of the old
-weights is dropped and the prefix is re-read by the new ones.
+weights is dropped and the prefix is re-read by the new ones. With
+``Sampling.top_logprobs`` each step also keeps the most likely tokens under that same
+distribution (a top-k of the row the behaviour log-prob is read from; nothing extra
+otherwise).
 """
 
 from __future__ import annotations
@@ -76,6 +79,7 @@ def generate(
     done = torch.zeros(batch, dtype=torch.bool)
     tokens: list[Tensor] = []
     logprobs: list[Tensor] = []
+    tops: list[tuple[Tensor, Tensor]] = []  # per step: (ids, log-probs), with top_logprobs
     versions: list[int] = []
     cache = None
     step_ids = ids  # what the next forward reads: the whole prefix, or the last token
@@ -94,7 +98,10 @@ def generate(
         )  # fmt: skip
         cache = out.past_key_values
         logits = out.logits[:, -1].float()
-        token, logprob = _draw(logits, sampling, generator)
+        token, logprob, log_dist = _draw(logits, sampling, generator)
+        if sampling.top_logprobs:
+            best = log_dist.topk(min(sampling.top_logprobs, log_dist.shape[-1]), dim=-1)
+            tops.append((best.indices, best.values))
         token = token.masked_fill(done, pad_id)
         tokens.append(token)
         logprobs.append(logprob.masked_fill(done, 0.0))
@@ -105,12 +112,13 @@ def generate(
         if bool(done.all()):
             break
     model.train(was_training)
-    return _generations(tokens, logprobs, versions, stops)
+    return _generations(tokens, logprobs, versions, stops, tops)
 
 
 def _draw(
     logits: Tensor, sampling: Sampling, generator: torch.Generator | None
-) -> tuple[Tensor, Tensor]:
+) -> tuple[Tensor, Tensor, Tensor]:
+    """(tokens, their log-probs, the log-distribution those are read from)."""
     if sampling.temperature <= 0:
         log_dist = torch.log_softmax(logits, dim=-1)
         token = logits.argmax(dim=-1)
@@ -119,20 +127,29 @@ def _draw(
         log_dist = torch.log_softmax(scaled, dim=-1)
         nucleus = top_p_log_probs(scaled, sampling.top_p)
         token = torch.multinomial(nucleus.exp(), 1, generator=generator).squeeze(1)
-    return token, log_dist.gather(1, token[:, None]).squeeze(1)
+    return token, log_dist.gather(1, token[:, None]).squeeze(1), log_dist
 
 
 def _generations(
-    tokens: list[Tensor], logprobs: list[Tensor], versions: list[int], stops: Tensor
-) -> list[Generation]:
+    tokens: list[Tensor], logprobs: list[Tensor], versions: list[int], stops: Tensor,
+    tops: list[tuple[Tensor, Tensor]],
+) -> list[Generation]:  # fmt: skip
     if not tokens:
         return []
     stop_ids = set(stops.tolist())
     out = []
     rows = zip(torch.stack(tokens, 1).tolist(), torch.stack(logprobs, 1).tolist(), strict=True)
-    for ids, lps in rows:
+    top_ids = torch.stack([ids for ids, _ in tops], 1).tolist() if tops else None
+    top_lps = torch.stack([lps for _, lps in tops], 1).tolist() if tops else None
+    for row, (ids, lps) in enumerate(rows):
         stop_at = next((i for i, token in enumerate(ids) if token in stop_ids), None)
         end = len(ids) if stop_at is None else stop_at + 1
         finish: Literal["stop", "length"] = "length" if stop_at is None else "stop"
-        out.append(Generation(ids[:end], lps[:end], versions[:end], finish))
+        generation = Generation(ids[:end], lps[:end], versions[:end], finish)
+        if top_ids is not None and top_lps is not None:
+            generation.top = [
+                list(zip(step_ids, step_lps, strict=True))
+                for step_ids, step_lps in zip(top_ids[row][:end], top_lps[row][:end], strict=True)
+            ]
+        out.append(generation)
     return out

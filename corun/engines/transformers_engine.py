@@ -9,6 +9,10 @@ so generation overlaps training. Calls on the lane run in order, so an update qu
 behind running generations lets them finish on their weights ("drain"); with
 ``interrupt`` an update is picked up between two decode steps instead (a partial
 rollout), and the sync does not wait for generations at all.
+
+Its fingerprint (corun/engines/fingerprint.py) is of what a generation started now
+would use: its model's state, or, with ``interrupt``, the weights published and not yet
+picked up (the engine's own snapshot of them, which is what it will load).
 """
 
 from __future__ import annotations
@@ -23,7 +27,8 @@ from torch import Tensor
 
 from corun.contract.engine import EngineError, Generation, Sampling
 from corun.engines import decode
-from corun.execution.compute import Lane
+from corun.engines.fingerprint import weights_fingerprint
+from corun.execution.compute import Lane, blocking_io
 
 
 class TransformersEngine:
@@ -44,6 +49,7 @@ class TransformersEngine:
         self._version = 0
         self._lock = threading.Lock()
         self._pending: tuple[int, dict[str, Tensor]] | None = None
+        self._loading: tuple[int, dict[str, Tensor]] | None = None  # taken, being loaded
         self._resumed = anyio.Event()
         self._resumed.set()
         self._closed = False
@@ -76,8 +82,13 @@ class TransformersEngine:
         """Between decode steps (on the lane): take weights published since, if any."""
         with self._lock:
             pending, self._pending = self._pending, None
+            self._loading = pending
         if pending is not None:
-            self._load(*pending)
+            try:
+                self._load(*pending)
+            finally:
+                with self._lock:
+                    self._loading = None
         return self._version
 
     def _load(self, version: int, state: Mapping[str, Tensor]) -> None:
@@ -88,11 +99,24 @@ class TransformersEngine:
     async def update_weights(self, state: Mapping[str, Tensor], version: int) -> None:
         if self._interrupt:
             # A snapshot: the trainer goes on changing its weights after this returns.
-            snapshot = {key: value.detach().clone() for key, value in state.items()}
+            snapshot = _snapshot(state)
             with self._lock:
                 self._pending = (version, snapshot)
             return
         await self.lane.run(self._load, version, state)
+
+    async def fingerprint(self) -> str:
+        # In a worker thread (inline in inline mode): it only reads, and a large model
+        # takes a moment.
+        return await blocking_io(self.lane.mode, self._fingerprint)
+
+    def _fingerprint(self) -> str:
+        with self._lock:
+            published = self._pending or self._loading
+        if published is not None:  # what the next decode step loads
+            return weights_fingerprint(published[1].values())
+        # No update is in flight (syncs do not overlap): the model stays as it is.
+        return weights_fingerprint(self.model.state_dict().values())
 
     async def pause(self) -> None:
         self._resumed = anyio.Event()
@@ -109,3 +133,17 @@ class TransformersEngine:
         self._resumed.set()
         if self._owns_lane:
             self.lane.close()
+
+
+def _snapshot(state: Mapping[str, Tensor]) -> dict[str, Tensor]:
+    """A copy of ``state`` in which tensors that shared storage still share it (tied
+    weights stay one tensor, as in the model)."""
+    copies: dict[tuple[object, ...], Tensor] = {}
+    out = {}
+    for key, value in state.items():
+        value = value.detach()
+        ident = (value.device, value.dtype, value.data_ptr(), value.shape, value.stride())
+        if ident not in copies:
+            copies[ident] = value.clone()
+        out[key] = copies[ident]
+    return out

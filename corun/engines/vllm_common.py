@@ -1,13 +1,13 @@
 """What the two vLLM engines share (vllm_engine.py in process, vllm_server.py a server
-child) besides their settings (options.py): the sampling fields, admission around
-weight updates, and the mapping of vLLM's failures to one-line errors that name the
-setting to blame."""
+child) besides their settings (options.py): the sampling fields and top log-probs,
+admission around weight updates, and the mapping of vLLM's failures to one-line errors
+that name the setting to blame."""
 
 from __future__ import annotations
 
 import re
 import signal
-from collections.abc import AsyncIterator, Mapping
+from collections.abc import AsyncIterator, Iterable, Mapping
 from contextlib import asynccontextmanager
 from typing import Any
 
@@ -38,8 +38,37 @@ def sampling_fields(sampling: Sampling, seed: int, index: int) -> dict[str, Any]
         "seed": request_seed(seed, index),
         "stop_token_ids": list(sampling.stop_ids),
         "ignore_eos": True,  # only stop_ids end a sequence, as corun's Sampling says
-        "logprobs": 0,  # the sampled token's log-prob only
+        "logprobs": sampling.top_logprobs,  # 0: the sampled token's log-prob only
+        **({"top_p": 1.0, "top_k": -1} if nucleus_args(sampling) else {}),
     }
+
+
+# Top log-probs (vllm_worker.py explains): a request that asks for them and truncates
+# is truncated by corun's logits processor, which lowers the tokens outside its
+# nucleus by OFFSET instead of vLLM's -inf, so that their log-probs can be read back.
+NUCLEUS = "corun_nucleus"  # the SamplingParams.extra_args key: the request's top-p
+OFFSET = 256.0  # exp(-256) is 0 in float32: a lowered token is never drawn
+
+
+def nucleus_args(sampling: Sampling) -> dict[str, float] | None:
+    """The ``extra_args`` (server: ``vllm_xargs``) of a request, if it needs any."""
+    greedy = sampling.temperature == 0
+    if not sampling.top_logprobs or not (greedy or sampling.top_p < 1):
+        return None
+    return {NUCLEUS: 0.0 if greedy else sampling.top_p}
+
+
+def top_entries(
+    entries: Iterable[tuple[int, float]], sampling: Sampling
+) -> list[tuple[int, float]]:
+    """The best ``top_logprobs`` of a step's (token, log-prob) pairs vLLM returned (its
+    top k and the sampled token), best first; with corun's nucleus, the lowered ones
+    raised back by OFFSET (a kept token is never below -OFFSET/2: its probability is
+    no float32 zero, unless top_p is within float precision of 1)."""
+    best = sorted(entries, key=lambda entry: entry[1], reverse=True)[: sampling.top_logprobs]
+    if nucleus_args(sampling) is None:
+        return best
+    return [(token, lp + OFFSET if lp < -OFFSET / 2 else lp) for token, lp in best]
 
 
 def one_line(exc: BaseException) -> str:

@@ -4,17 +4,30 @@ is in vllm_common.py, their settings in options.py.
 
 Token ids in (``TokensPrompt``), token ids out, each with its behaviour log-prob (the
 temperature-scaled distribution before top-p; how vLLM is made to report it is in
-vllm_worker.py) and the policy version it was sampled with. Every prompt gets its own
-vLLM seed derived from ``(seed, index)``, so a prompt's sample does not depend on what
-else is in the batch, and repeated prompts (a GRPO group) draw differently.
+vllm_worker.py), the policy version it was sampled with and, on request, the step's
+top log-probs. Every prompt gets its own vLLM seed derived from ``(seed, index)``, so
+a prompt's sample does not depend on what else is in the batch, and repeated prompts
+(a GRPO group) draw differently.
 
 Blocking calls run on a :class:`corun.Lane`, the engine's own unless one is passed:
 one dedicated thread, not anyio's thread pool, because ``vllm.LLM`` is not thread-safe
-and torch keeps an OpenMP thread team per OS thread (corun/execution/compute.py). Generation
-drives vLLM's engine step by step and calls :func:`corun.cancel_point` between decode
-steps, so cancelling a ``generate`` aborts its requests within one step instead of
-waiting for the whole batch. A call from an already-cancelled task starts no vLLM work
-(a lane call that completes defers its caller's cancellation to the next checkpoint).
+and torch keeps an OpenMP thread team per OS thread (corun/execution/compute.py).
+
+Continuous batching. Concurrent ``generate`` calls (an endpoint sends many) share the
+running engine: each hands its requests over (a list under a lock) and repeats one lane
+call, :meth:`VLLMEngine._drive`, until they are done. The lane runs one call at a time,
+so one of them drives vLLM at any moment: between two decode steps it adds every
+request handed over since (they join the running batch), steps, and files each
+finished output with its call. A drive returns when its own call's requests are done,
+when another call's are (that call's lane call, queued behind it, then returns them at
+once), or after a 50 ms slice (so the lane's other calls and cancelled callers are not
+kept waiting); its caller then queues it again. A call never waits for another's
+requests to finish. Cancelling a ``generate`` aborts its requests within one step (its
+own drive stops at the next step; a drive queued behind another's is skipped and its
+requests aborted by a short lane call); the others go on. A call from an
+already-cancelled task starts no vLLM work (a lane call that completes defers its
+caller's cancellation to the next checkpoint). Weight updates drain as before: the
+admission pause (vllm_common.py) waits for every running call.
 
 What in-process vLLM does to its host, and what this module undoes: its CPU worker
 replaces ``torch.set_num_threads`` with a no-op for the whole process (restored after
@@ -28,10 +41,11 @@ FutureWarnings are kept off the run's stderr (``VLLM_LOGGING_LEVEL`` still decid
 Failures: an option vLLM rejects (named by its path,
 ``$.trainer.engine_options.options.<key>``), or a model its CPU attention cannot run
 (found by a one-token warm-up at start), is a :class:`corun.ConfigError`; a
-prompt vLLM rejects is an :class:`EngineError` and the engine stays usable; a failed
-weight reload leaves vLLM's model half-loaded, so the engine is marked dead and every
-later call raises :class:`EngineError` at once (``health()`` is false); its message
-names the tensor being loaded. Tests: tests/test_vllm.py.
+prompt vLLM rejects is an :class:`EngineError` for its call and the engine stays
+usable; a failure while stepping fails every running call and marks the engine dead; a
+failed weight reload leaves vLLM's model half-loaded, so the engine is marked dead and
+every later call raises :class:`EngineError` at once (``health()`` is false); its
+message names the tensor being loaded. Tests: tests/test_vllm.py.
 """
 
 from __future__ import annotations
@@ -40,8 +54,11 @@ import itertools
 import logging
 import os
 import random
+import threading
+import time
 import warnings
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
 from typing import Any
 
 import anyio
@@ -55,12 +72,17 @@ from corun.contract.engine import EngineError, Finish, Generation, Sampling
 from corun.engines.options import OPTIONS, EngineOptions, VLLMConfig
 from corun.engines.vllm_common import (
     DrainingEngine,
+    nucleus_args,
     one_line,
     rejected_options,
     sampling_fields,
+    top_entries,
     unsupported_model,
 )
-from corun.execution.compute import Lane, cancel_point
+from corun.execution.compute import Lane, cancel_point, stop_requested
+
+SLICE_S = 0.05  # the longest a drive steps before its caller queues it again
+DISCARD_S = 10.0  # the longest a cancelled call waits for its requests to be aborted
 
 
 class VLLMEngine(DrainingEngine):
@@ -74,7 +96,12 @@ class VLLMEngine(DrainingEngine):
         self._lane, self._owns_lane = lane, owns_lane
         super().__init__()
         self._dead: str | None = None  # why the engine cannot be used any more
+        self._stopping = False
         self._ids = itertools.count()
+        self._lock = threading.Lock()  # guards _inbox, _unclaimed, each _Batch's flags
+        self._inbox: list[_Batch] = []  # handed over, not yet added to vLLM
+        self._unclaimed: set[_Batch] = set()  # settled, its caller not yet told
+        self._requests: dict[str, tuple[_Batch, int]] = {}  # in vLLM (the lane's alone)
 
     @classmethod
     async def start(cls, config: VLLMConfig, lane: Lane | None = None) -> VLLMEngine:
@@ -102,15 +129,15 @@ class VLLMEngine(DrainingEngine):
         engine = cls(llm, config, lane, own)
         VLLMEngine._live = engine
         try:
-            await lane.run(engine._generate_blocking, [[0]], Sampling(max_tokens=1), 0)
-        except _Problem as failed:
-            await engine.shutdown()
-            raise unsupported_model(failed.message, config.model) or EngineError(
-                f"vLLM warm-up failed: {failed.message}"
-            ) from None
+            warm = await engine._run(_Batch([[0]], Sampling(max_tokens=1), 0))
         except BaseException:  # cancelled (or interrupted) during the warm-up
             await engine.shutdown()
             raise
+        if warm.problem is not None:
+            await engine.shutdown()
+            raise unsupported_model(warm.problem.message, config.model) or EngineError(
+                f"vLLM warm-up failed: {warm.problem.message}"
+            )
         return engine
 
     async def generate(
@@ -124,18 +151,14 @@ class VLLMEngine(DrainingEngine):
         async with self._admission.generation():
             self._check()
             version = self._version  # no update runs while a generation is admitted
-            try:
-                outputs = await self._lane.run(
-                    self._generate_blocking, [list(p) for p in prompts], sampling, seed
-                )
-            except _Rejected as rejected:
-                raise EngineError(f"vLLM rejected a prompt: {rejected.message}") from None
-            except _Failed as failed:
-                raise self._die(f"vLLM failed while generating: {failed.message}") from None
-        return [
-            Generation(ids, logprobs, [version] * len(ids), finish)
-            for ids, logprobs, finish in outputs
-        ]
+            batch = await self._run(_Batch([list(p) for p in prompts], sampling, seed))
+            if isinstance(batch.problem, _Failed):
+                raise self._die(f"vLLM failed while generating: {batch.problem.message}")
+            if isinstance(batch.problem, _Rejected):
+                raise EngineError(f"vLLM rejected a prompt: {batch.problem.message}")
+            if batch.problem is not None:  # not expected: a cancelled call raises above
+                raise EngineError(f"vLLM generation {batch.problem.message}")
+        return [_unpack(out, version, sampling) for out in batch.outputs]
 
     async def update_weights(self, state: Mapping[str, Tensor], version: int) -> None:
         """Reload every weight in place, then drop the prefix cache (its KV entries were
@@ -156,18 +179,24 @@ class VLLMEngine(DrainingEngine):
         finally:
             self._admission.resume()
 
+    async def fingerprint(self) -> str:
+        """The fingerprint of the weights vLLM's worker holds (vllm_worker.py)."""
+        self._check()
+        await anyio.lowlevel.checkpoint_if_cancelled()  # see generate
+        return await self._lane.run(self._fingerprint_blocking)
+
     async def health(self) -> bool:
         return self._dead is None
 
     async def shutdown(self) -> None:
         """Tear vLLM down on its lane (bounded by the lane's close), then the lane."""
-        if self._llm is None:
+        if self._llm is None or self._stopping:
             return
-        llm, self._llm = self._llm, None
+        self._stopping = True
         self._dead = self._dead or "the engine was shut down"
         with anyio.CancelScope(shield=True):
             try:
-                await self._lane.run(_teardown, llm)
+                await self._lane.run(self._teardown_blocking)
             finally:
                 if VLLMEngine._live is self:
                     VLLMEngine._live = None
@@ -184,42 +213,133 @@ class VLLMEngine(DrainingEngine):
         self._dead = why
         return EngineError(why)
 
-    def _generate_blocking(
-        self, prompts: list[list[int]], sampling: Sampling, seed: int
-    ) -> list[tuple[list[int], list[float], Finish]]:
+    async def _run(self, batch: _Batch) -> _Batch:
+        """Hand ``batch`` over and drive vLLM until it is settled (see the module's
+        docstring); a cancelled call's requests are aborted before it returns."""
+        with self._lock:
+            self._inbox.append(batch)
+        try:
+            while not self._claim(batch):
+                await self._lane.run(self._drive, batch)
+        finally:
+            if not self._claim(batch):  # cancelled while its drive was queued
+                with anyio.move_on_after(DISCARD_S, shield=True):
+                    await self._lane.run(self._discard, batch)
+                self._claim(batch, leaving=True)  # no drive waits for it from now on
+        return batch
+
+    def _claim(self, batch: _Batch, *, leaving: bool = False) -> bool:
+        """Whether ``batch`` is settled; if so (or its caller is leaving), no drive
+        returns early for its caller any more."""
+        with self._lock:
+            if batch.settled or leaving:
+                batch.claimed = True
+                self._unclaimed.discard(batch)
+            return batch.settled
+
+    def _settle(self, batch: _Batch, problem: _Problem | None = None) -> None:
+        with self._lock:
+            if not batch.settled:
+                batch.settled, batch.problem = True, problem
+                if not batch.claimed:
+                    self._unclaimed.add(batch)
+
+    # -- on the lane -----------------------------------------------------------------
+
+    def _drive(self, batch: _Batch) -> None:
+        """Step vLLM for every call until ``batch`` is settled, another call's is (its
+        caller's lane call is queued behind this one), the slice is over, or this
+        call's caller is cancelled: then its requests are aborted, and only its."""
+        llm = self._llm
+        if llm is None:
+            self._fail_all(_Failed("the engine was shut down"))
+            return
+        engine = llm.llm_engine
+        until = time.monotonic() + SLICE_S
+        while True:
+            with self._lock:
+                inbox, self._inbox = self._inbox, []
+            for new in inbox:  # between two steps: new requests join the running batch
+                self._add(engine, new)
+            with self._lock:
+                if batch.settled:  # this call's: its caller takes it when this returns
+                    batch.claimed = True
+                    self._unclaimed.discard(batch)
+                if self._unclaimed or batch.settled:  # another's waits behind this call
+                    return
+            if stop_requested():
+                self._abort(engine, batch, _Cancelled("was cancelled"))
+                cancel_point()  # raises: the caller's cancellation goes on
+            if time.monotonic() > until:
+                return
+            if not engine.has_unfinished_requests():  # not expected: fail, never spin
+                self._fail_all(_Failed("vLLM lost the requests of running generations"))
+                return
+            try:
+                outputs = engine.step()
+            except Exception as exc:  # vLLM's state is unknown: every call fails
+                self._fail_all(_Failed(one_line(exc)))
+                return
+            self._file(outputs)
+
+    def _add(self, engine: Any, batch: _Batch) -> None:
         from vllm import SamplingParams
         from vllm.inputs import TokensPrompt
         from vllm.sampling_params import RequestOutputKind
 
-        engine = self._llm.llm_engine
-        index: dict[str, int] = {}
-        internal: list[str] = []
+        sampling, extra = batch.sampling, nucleus_args(batch.sampling)
+        batch.outputs, batch.left = [None] * len(batch.prompts), len(batch.prompts)
         try:
-            for i, prompt in enumerate(prompts):
+            for i, prompt in enumerate(batch.prompts):
                 params = SamplingParams(
-                    **sampling_fields(sampling, seed, i), detokenize=False,
-                    output_kind=RequestOutputKind.FINAL_ONLY,
+                    **sampling_fields(sampling, batch.seed, i), extra_args=extra,
+                    detokenize=False, output_kind=RequestOutputKind.FINAL_ONLY,
                 )  # fmt: skip
                 name = f"corun-{next(self._ids)}"
-                internal.append(engine.add_request(name, TokensPrompt(prompt_token_ids=prompt),
-                                                   params))  # fmt: skip
-                index[name] = i
-        except Exception as exc:  # vLLM's input checks: nothing ran yet
-            _abort(engine, internal)
-            raise _Rejected(one_line(exc)) from exc
-        done: list[Any] = [None] * len(prompts)
-        try:
-            while engine.has_unfinished_requests():
-                cancel_point()  # between decode steps: a cancelled generate stops here
-                for output in engine.step():
-                    if output.finished:
-                        done[index[output.request_id]] = output.outputs[0]
-        except Exception as exc:
-            raise _Failed(one_line(exc)) from exc
-        finally:
-            if any(out is None for out in done):  # cancelled or failed: free the requests
-                _abort(engine, internal)
-        return [_unpack(out) for out in done]
+                tokens = TokensPrompt(prompt_token_ids=prompt)
+                batch.internal.append(engine.add_request(name, tokens, params))
+                batch.names.append(name)
+                self._requests[name] = (batch, i)
+        except Exception as exc:  # vLLM's input checks: the call's requests never ran
+            self._abort(engine, batch, _Rejected(one_line(exc)))
+        if not batch.prompts:
+            self._settle(batch)
+
+    def _file(self, outputs: list[Any]) -> None:
+        """Each finished output to its call; a call whose outputs are all in is settled."""
+        for output in outputs:
+            owner = self._requests.pop(output.request_id, None) if output.finished else None
+            if owner is None:
+                continue
+            batch, index = owner
+            batch.outputs[index] = output.outputs[0]
+            batch.left -= 1
+            if batch.left == 0:
+                self._settle(batch)
+
+    def _abort(self, engine: Any, batch: _Batch, problem: _Problem) -> None:
+        for name in batch.names:
+            self._requests.pop(name, None)
+        _abort(engine, batch.internal)
+        self._settle(batch, problem)
+
+    def _discard(self, batch: _Batch) -> None:
+        """A cancelled call's requests, wherever they are: out of the inbox, or aborted."""
+        with self._lock:
+            if batch in self._inbox:
+                self._inbox.remove(batch)
+        if self._llm is None:
+            self._settle(batch, _Cancelled("was cancelled"))
+        elif not batch.settled:
+            self._abort(self._llm.llm_engine, batch, _Cancelled("was cancelled"))
+
+    def _fail_all(self, problem: _Problem) -> None:
+        with self._lock:
+            inbox, self._inbox = self._inbox, []
+        owners = {batch for batch, _ in self._requests.values()} | set(inbox)
+        self._requests.clear()
+        for batch in owners:
+            self._settle(batch, problem)
 
     def _reload_blocking(self, state: dict[str, Tensor]) -> None:
         from corun.engines.vllm_worker import reload_state
@@ -228,6 +348,34 @@ class VLLMEngine(DrainingEngine):
         self._llm.collective_rpc(reload_state, args=(tensors,))
         if not self._llm.reset_prefix_cache():
             raise RuntimeError("vLLM kept its prefix cache (requests still running)")
+
+    def _fingerprint_blocking(self) -> str:
+        from corun.engines.vllm_worker import serving_fingerprint
+
+        return str(self._llm.collective_rpc(serving_fingerprint)[0])
+
+    def _teardown_blocking(self) -> None:
+        llm, self._llm = self._llm, None
+        if llm is not None:
+            self._fail_all(_Failed("the engine was shut down"))
+            llm.llm_engine.engine_core.shutdown()
+
+
+@dataclass(eq=False)  # hashed by identity: the engine keeps sets of them
+class _Batch:
+    """One ``generate`` call's requests: handed to the lane by its caller, settled on
+    the lane (outputs filed, or a problem), read by the caller once settled."""
+
+    prompts: list[list[int]]
+    sampling: Sampling
+    seed: int
+    names: list[str] = field(default_factory=list)  # vLLM's request ids
+    internal: list[str] = field(default_factory=list)  # the same, as vLLM aborts them
+    outputs: list[Any] = field(default_factory=list)  # vLLM's CompletionOutput per prompt
+    left: int = 0  # outputs not yet filed
+    settled: bool = False  # nothing of it is left in vLLM (under the engine's lock)
+    claimed: bool = False  # its caller has it, or left (under the engine's lock)
+    problem: _Problem | None = None
 
 
 class _Problem(Exception):
@@ -244,10 +392,22 @@ class _Failed(_Problem):
     """vLLM failed while stepping: its state is unknown."""
 
 
-def _unpack(out: Any) -> tuple[list[int], list[float], Finish]:
+class _Cancelled(_Problem):
+    """The call's caller was cancelled; its requests were aborted."""
+
+
+def _unpack(out: Any, version: int, sampling: Sampling) -> Generation:
     ids = list(out.token_ids)
-    logprobs = [float(step[token].logprob) for step, token in zip(out.logprobs, ids, strict=True)]
-    return ids, logprobs, "stop" if out.finish_reason == "stop" else "length"
+    steps = list(out.logprobs)
+    logprobs = [float(step[token].logprob) for step, token in zip(steps, ids, strict=True)]
+    finish: Finish = "stop" if out.finish_reason == "stop" else "length"
+    generation = Generation(ids, logprobs, [version] * len(ids), finish)
+    if sampling.top_logprobs:
+        generation.top = [
+            top_entries(((token, float(lp.logprob)) for token, lp in step.items()), sampling)
+            for step in steps
+        ]
+    return generation
 
 
 def _abort(engine: Any, internal_ids: list[str]) -> None:
@@ -313,7 +473,3 @@ def _numpy_state(state: Any = None) -> Any:
     if state is not None:
         numpy.random.set_state(state)
     return numpy.random.get_state()
-
-
-def _teardown(llm: Any) -> None:
-    llm.llm_engine.engine_core.shutdown()

@@ -11,9 +11,12 @@ is awaited by polling ``/health`` under ``start_timeout_s``, then one warm-up to
 Generation: one ``/v1/completions`` request per prompt, all at once (vLLM batches them;
 one request per prompt because a request's seed would be shared by all its prompts),
 prompt as token ids, ``return_token_ids`` and ``logprobs: 0`` for the sampled ids and
-their behaviour log-probs (vllm_worker.py). Weight update: the state dict written to a
-safetensors file, then ``/pause?mode=wait``, ``/collective_rpc`` of ``corun_reload``
-(vllm_worker.WeightSync), ``/reset_prefix_cache``, ``/resume``.
+their behaviour log-probs (vllm_worker.py); with top log-probs, ``logprobs: k``,
+``return_tokens_as_token_ids`` (each top token as ``token_id:<id>``) and corun's
+nucleus in ``vllm_xargs`` (vllm_common.nucleus_args). Weight update: the state dict
+written to a safetensors file, then ``/pause?mode=wait``, ``/collective_rpc`` of
+``corun_reload`` (vllm_worker.WeightSync), ``/reset_prefix_cache``, ``/resume``; the
+weights fingerprint is ``/collective_rpc`` of ``corun_fingerprint``.
 
 Every HTTP call has a deadline (``request_timeout_s``) and runs beside a watch on the
 child: a server that exits mid-call is an :class:`EngineError` within ~0.2 s, one line
@@ -49,10 +52,12 @@ from corun.engines.options import OPTIONS, VLLMConfig
 from corun.engines.vllm_common import (
     DrainingEngine,
     last_error_line,
+    nucleus_args,
     one_line,
     sampling_fields,
     signal_name,
     start_error,
+    top_entries,
     unsupported_model,
 )
 from corun.execution.procs import ChildProcess
@@ -116,6 +121,7 @@ class VLLMServerEngine(DrainingEngine):
                     body = {
                         "model": MODEL_NAME, "prompt": prompt, "return_token_ids": True,
                         "skip_special_tokens": False, **sampling_fields(sampling, seed, i),
+                        **_top_fields(sampling),
                     }  # fmt: skip
                     results[i] = (await self._post(client, "/v1/completions", json=body))[
                         "choices"
@@ -126,7 +132,7 @@ class VLLMServerEngine(DrainingEngine):
                         tasks.start_soon(complete, i, [int(t) for t in prompt])
 
             await self._call(complete_all)
-        return [_generation(choice, version) for choice in results]
+        return [_generation(choice, version, sampling) for choice in results]
 
     async def update_weights(self, state: Mapping[str, Tensor], version: int) -> None:
         self._check()
@@ -155,6 +161,16 @@ class VLLMServerEngine(DrainingEngine):
             self._version = version
         finally:
             self._admission.resume()
+
+    async def fingerprint(self) -> str:
+        """The fingerprint of the weights the server's worker holds (vllm_worker.py)."""
+        self._check()
+
+        async def ask(client: httpx.AsyncClient) -> str:
+            rpc = {"method": "corun_fingerprint"}
+            return str((await self._post(client, "/collective_rpc", json=rpc))["results"][0])
+
+        return await self._call(ask)
 
     async def health(self) -> bool:
         if self._dead is not None or self._child.popen.poll() is not None:
@@ -357,11 +373,27 @@ def _save(state: dict[str, Tensor], path: Path) -> None:
     os.replace(partial, path)  # the server never reads a half-written file
 
 
-def _generation(choice: dict[str, Any], version: int) -> Generation:
+def _top_fields(sampling: Sampling) -> dict[str, Any]:
+    """A request's fields for top log-probs (none without them)."""
+    if not sampling.top_logprobs:
+        return {}
+    nucleus = nucleus_args(sampling)
+    return {"return_tokens_as_token_ids": True, **({"vllm_xargs": nucleus} if nucleus else {})}
+
+
+def _generation(choice: dict[str, Any], version: int, sampling: Sampling) -> Generation:
     ids = [int(t) for t in choice["token_ids"]]
     logprobs = [float(x) for x in choice["logprobs"]["token_logprobs"]]
     finish: Finish = "stop" if choice.get("finish_reason") == "stop" else "length"
-    return Generation(ids, logprobs, [version] * len(ids), finish)
+    generation = Generation(ids, logprobs, [version] * len(ids), finish)
+    if sampling.top_logprobs:  # {"token_id:<id>": log-prob} per step
+        generation.top = [
+            top_entries(
+                ((int(key.rpartition(":")[2]), float(lp)) for key, lp in step.items()), sampling
+            )
+            for step in choice["logprobs"]["top_logprobs"]
+        ]
+    return generation
 
 
 def _error_message(response: httpx.Response) -> str:

@@ -15,6 +15,29 @@ the log-normaliser there turns each row into log_softmax(logits / T), top-p then
 other tokens to -inf without touching the sampled one, and ``processed_logits`` hands
 back exactly the wanted value (max difference 7e-7). The shift changes no draw: softmax,
 top-p and Gumbel-max are all shift-invariant.
+
+Top log-probs. vLLM's top-k/top-p set every token they exclude to -inf before
+``processed_logits`` is read, so a request's top tokens outside the nucleus (all but
+the argmax, for greedy's top-k 1) would read -inf. A request that asks for top
+log-probs and truncates is therefore sent untruncated, with corun's own top-p in its
+``extra_args`` (vllm_common.nucleus_args; 0 for greedy: the argmax alone), and
+:class:`BehaviourLogprobs` truncates it instead: it lowers the excluded tokens by
+``vllm_common.OFFSET`` (256) rather than to -inf. They are never drawn (exp(-256) is 0
+in float32, and Gumbel noise is far smaller), the sampled token's log-prob is
+untouched, and the engine adds the offset back to the top log-probs it reads below
+-OFFSET/2 (vllm_common.top_entries; exact to ~2e-5). Requests without top log-probs
+are sent and truncated as before.
+
+Weights fingerprint (corun/engines/fingerprint.py). On CPU, vLLM hands every linear
+layer's weight to oneDNN, which repacks it into memory of its own, and leaves an empty
+parameter behind (measured, vLLM 0.32: the tiny model's parameters then sum to another
+value). The sum of such a weight is taken just before it is repacked
+(:func:`record_packed_weights`, on every load and reload: the values vLLM's weight
+loaders wrote, fused and padded) and kept on its layer; :func:`serving_fingerprint`
+adds it to the sum of the parameters still held. Measured on the built-in tiny model:
+equal to the fingerprint of the HF state dict after the start and after reloads (the
+fused q/k/v and gate/up weights, and the vocabulary padded from 341 to 384 rows with
+zeros, sum the same).
 """
 
 from __future__ import annotations
@@ -26,26 +49,107 @@ import sys
 import threading
 import time
 from collections.abc import Iterator
-from typing import Any
+from functools import wraps
+from typing import Any, cast
 
 import torch
-from vllm.v1.sample.logits_processor import BatchUpdate, LogitsProcessor
+from vllm.v1.sample.logits_processor import BatchUpdate, LogitsProcessor, MoveDirectionality
+
+from corun.engines.fingerprint import bits_sum, format_fingerprint
+from corun.engines.vllm_common import NUCLEUS, OFFSET
 
 
 class BehaviourLogprobs(LogitsProcessor):
-    """Rows become log-probs after the temperature, before top-k/top-p (see above)."""
+    """Rows become log-probs after the temperature, before top-k/top-p; rows with
+    corun's own top-p lower the tokens outside their nucleus by OFFSET (see above)."""
 
     def __init__(self, vllm_config: Any, device: torch.device, is_pin_memory: bool) -> None:
-        pass
+        self._top_p: dict[int, float] = {}  # batch row → its nucleus (NUCLEUS extra arg)
 
     def is_argmax_invariant(self) -> bool:
         return True  # applied after the temperature, with the other argmax-invariant ones
 
     def update_state(self, batch_update: BatchUpdate | None) -> None:
-        pass  # stateless: every row gets the same shift
+        if batch_update is None:
+            return
+        rows = self._top_p
+        for index in batch_update.removed:
+            rows.pop(index, None)
+        for index, params, _, _ in batch_update.added:
+            top_p = (getattr(params, "extra_args", None) or {}).get(NUCLEUS)
+            rows.pop(index, None)
+            if top_p is not None:
+                rows[index] = float(top_p)
+        for first, second, direction in batch_update.moved:
+            moved, other = rows.pop(first, None), rows.pop(second, None)
+            if moved is not None:
+                rows[second] = moved
+            if direction == MoveDirectionality.SWAP and other is not None:
+                rows[first] = other
 
     def apply(self, logits: torch.Tensor) -> torch.Tensor:
-        return logits.sub_(torch.logsumexp(logits, dim=-1, keepdim=True))
+        logits.sub_(torch.logsumexp(logits, dim=-1, keepdim=True))
+        rows = [row for row in self._top_p if row < logits.shape[0]]
+        if rows:
+            index = torch.tensor(rows, device=logits.device)
+            top_p = torch.tensor([self._top_p[row] for row in rows], device=logits.device)
+            chosen = logits[index]
+            logits[index] = chosen - OFFSET * (~_nucleus(chosen, top_p)).to(chosen.dtype)
+        return logits
+
+
+def _nucleus(log_probs: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
+    """Per row, the smallest set of most likely tokens whose mass reaches its top_p
+    (corun/engines/decode.py's rule; top_p 0: the argmax alone)."""
+    ordered, order = log_probs.sort(dim=-1, descending=True)
+    probs = ordered.exp()
+    keep = (probs.cumsum(dim=-1) - probs) < top_p[:, None]
+    keep[:, 0] = True
+    return torch.zeros_like(keep).scatter(-1, order, keep)
+
+
+# ---- the weights fingerprint
+
+PACKED = "_corun_packed_bits"  # on a layer: the bit sum of the weight oneDNN repacked
+
+
+def record_packed_weights() -> None:
+    """Wrap vLLM's CPU GEMM dispatch (which repacks a linear layer's weight and empties
+    the parameter) to keep the weight's bit sum on its layer first. Idempotent; a vLLM
+    without that function (another platform, another version) needs none."""
+    from vllm.model_executor.layers import utils
+
+    dispatch = getattr(utils, "dispatch_cpu_unquantized_gemm", None)
+    if dispatch is None or getattr(dispatch, "corun_records", False):
+        return
+
+    @wraps(dispatch)
+    def recording(layer: torch.nn.Module, remove_weight: bool) -> None:
+        weight = cast(torch.Tensor, layer.weight)
+        before = bits_sum([weight]) if remove_weight and not weight.is_meta else None
+        dispatch(layer, remove_weight)
+        if before is not None and cast(torch.Tensor, layer.weight).numel() == 0:
+            setattr(layer, PACKED, before)
+        elif hasattr(layer, PACKED):
+            delattr(layer, PACKED)
+
+    recording.corun_records = True  # type: ignore[attr-defined]
+    utils.dispatch_cpu_unquantized_gemm = recording
+
+
+record_packed_weights()  # before vLLM loads a model: both engines import this module first
+
+
+def serving_fingerprint(worker: Any) -> str:
+    """``llm.collective_rpc(serving_fingerprint)``: the fingerprint of the worker's
+    model, its repacked weights by the sums kept when they were repacked."""
+    model: torch.nn.Module = worker.model_runner.get_model()
+    total = bits_sum(model.parameters())
+    for module in model.modules():
+        weight = getattr(module, "weight", None)
+        if isinstance(weight, torch.Tensor) and weight.numel() == 0:
+            total += getattr(module, PACKED, 0)
+    return format_fingerprint(total)
 
 
 def reload_state(worker: Any, state: dict[str, torch.Tensor]) -> None:
@@ -81,6 +185,10 @@ class WeightSync:
         state = load_file(path)
         reload_state(self, state)
         return len(state)
+
+    def corun_fingerprint(self) -> str:
+        """The fingerprint of the weights this worker serves (see above)."""
+        return serving_fingerprint(self)
 
 
 PARENT_ENV = "CORUN_VLLM_PARENT"  # the pid of the process the server must not outlive

@@ -61,11 +61,13 @@ def extensions(trainer: Trainer[Any], config: Config, session: Session) -> Exten
 
 def _endpoint(trainer: Trainer[Any], config: Config, inbox: EpisodeInbox) -> Endpoint:
     """The endpoint of the set-up trainer's policy, on a lane of its own."""
-    policy = trainer.served_policy()
+    serve_lane = lane(config, "serve")
+    policy = trainer.served_policy(serve_lane)
     if policy is None:
+        serve_lane.close()
         kind = config.trainer.kind
         raise ConfigError(f"`$.serve.enabled`: trainer {kind!r} serves no policy")
-    return Endpoint(policy, config.serve, lane(config, "serve"), inbox)
+    return Endpoint(policy, config.serve, serve_lane, inbox)
 
 
 class _PrerequisiteRuns:

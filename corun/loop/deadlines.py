@@ -51,8 +51,9 @@ def deadline(what: str, timeout_s: float, setting: str) -> Iterator[None]:
 
 
 class BoundedEngine:
-    """An :class:`Engine` whose every call has a deadline: ``generate``, ``pause`` and
-    ``update_weights`` ``request_timeout_s``, ``shutdown`` ``shutdown_timeout_s``.
+    """An :class:`Engine` whose every call has a deadline: ``generate``, ``pause``,
+    ``update_weights`` and ``fingerprint`` ``request_timeout_s``, ``shutdown``
+    ``shutdown_timeout_s``.
 
     An engine that overran a deadline, or whose weight update was cut short (its
     weights are then unknown), is dead: ``health()`` is false and every later call
@@ -95,6 +96,10 @@ class BoundedEngine:
         finally:
             if not done and self.dead is None:
                 self.dead = f"its weight update to version {version} did not complete"
+
+    async def fingerprint(self) -> str:
+        with self._request("weights fingerprint"):
+            return await self._live().fingerprint()
 
     async def pause(self) -> None:
         with self._request("pause"):

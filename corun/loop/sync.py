@@ -48,8 +48,10 @@ class WeightSync:
         with self.phases.phase("sync", "sync", version=version) as sync:
             what = f"weight sync to version {version}"
             with deadline(what, self.timeout_s, "run.sync_timeout_s"):
-                await call_hook(self.lane, self.trainer.sync_weights, version)
+                weights = await call_hook(self.lane, self.trainer.sync_weights, version)
                 if self.remote is not None:
                     await self.remote.publish(version)
             self.clock.publish(version)
             sync.fields = {"version": version, "forced": True} if forced else {"version": version}
+            if isinstance(weights, str) and weights:
+                sync.fields["weights"] = weights

@@ -243,7 +243,10 @@ class _Run:
             self.clock.trained(batch.index)
             idle, lag = self.idle.take(), self.clock.async_metrics(staleness)
             trained.metrics = {**metrics, **batch.metrics, **idle, **lag}
-            trained.fields = {"version": self.clock.version, "index": batch.index}
+            trained.fields = {"version": self.clock.version, "index": batch.index,
+                              "rollout_version": batch.version}  # fmt: skip
+            if batch.weights:
+                trained.fields["weights"] = batch.weights
         step = self.clock.step  # then each of these when the cadence says
         await self.weights.after(step)
         await self.evaluator.after(step)

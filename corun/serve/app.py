@@ -1,12 +1,24 @@
 """The routes: ``GET /v1/models``, ``POST /v1/completions``, ``POST
-/v1/chat/completions`` (``stream: true`` as server-sent events, ``tools`` and
-``tool_calls``), ``POST /v1/episodes/{id}/reward`` and ``GET /health``.
+/v1/chat/completions``, ``POST /v1/episodes/{id}/reward`` and ``GET /health``; and an
+episode's own base URL, ``/episodes/{id}/v1`` (its ``models`` and
+``chat/completions``), so a client that knows nothing of corun is recorded by setting
+its base URL alone.
+
+Chat requests take what OpenAI clients send: ``tools`` (replies parsed into
+``tool_calls``), ``stop`` strings, ``n`` replies, ``seed``, ``max_tokens`` /
+``max_completion_tokens``, ``logprobs`` / ``top_logprobs``, ``stream`` (server-sent
+events: the reply is generated first, then streamed — a content delta per token, tool
+calls as tool-call deltas — with ``stream_options.include_usage`` honoured);
+``tool_choice`` and ``parallel_tool_calls`` are accepted (``tool_choice: "none"``
+parses no tool calls). Responses carry the sampled ``token_ids``, their log-probs and
+the policy ``version``.
 
 Every refusal is a 4xx with an OpenAI-style JSON body (``{"error": {"message",
 "type", "param", "code"}}``), and the server goes on serving: malformed JSON, a wrong
 type or value (400, naming the field), a missing or wrong bearer token (401), an
 unknown model, route or episode (404), a prompt the model's length cannot take (400,
-``context_length_exceeded``).
+``context_length_exceeded``), a conversation that differs from its recorded episode
+(409, naming the first message that differs).
 """
 
 from __future__ import annotations
@@ -14,7 +26,8 @@ from __future__ import annotations
 import re
 import secrets
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from dataclasses import dataclass
 from typing import Any, TypeVar
 
 import msgspec
@@ -24,6 +37,7 @@ from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
+from corun.agents.chat import content_pieces, cut_at_stop, find_stop
 from corun.contract.policy import (
     ChatMessage,
     ChatRequest,
@@ -38,13 +52,15 @@ from corun.serve.batching import Batcher
 from corun.serve.capture import Recorder
 
 S = TypeVar("S")
+Handler = Callable[[Request], Awaitable[Any]]
 MAX_BODY = 1 << 20  # bytes
 
 
 def build_app(policy: ServedPolicy, batcher: Batcher, recorder: Recorder, token: str) -> Starlette:
     """The ASGI app; ``token`` (when not empty) is required as a bearer token."""
+    api = _Api(policy, batcher, recorder)
 
-    def guarded(handler: Callable[[Request], Awaitable[Any]]) -> Callable[[Request], Any]:
+    def guarded(handler: Handler) -> Callable[[Request], Awaitable[Response]]:
         async def endpoint(request: Request) -> Response:
             try:
                 if token and request.headers.get("authorization", "") != f"Bearer {token}":
@@ -59,81 +75,6 @@ def build_app(policy: ServedPolicy, batcher: Batcher, recorder: Recorder, token:
 
         return endpoint
 
-    async def models(request: Request) -> dict[str, Any]:
-        return {"object": "list", "data": [{
-            "id": policy.name, "object": "model", "created": 0, "owned_by": "corun",
-            "max_model_len": policy.max_len,
-        }]}  # fmt: skip
-
-    async def health(request: Request) -> dict[str, Any]:
-        return {"status": "ok"}
-
-    async def completions(request: Request) -> Any:
-        body = await _decode(request, CompletionRequest)
-        _check_model(body.model, policy)
-        prompt = _encode_prompt(policy, body.prompt)
-        sampling = _sampling(policy, len(prompt), body.max_tokens, body.temperature, body.top_p)
-        done = await batcher.generate(prompt, sampling, body.seed)
-        choice: dict[str, Any] = {
-            "index": 0, "text": policy.decode(done.ids), "finish_reason": done.finish,
-            "token_ids": done.ids, "logprobs": None,
-        }  # fmt: skip
-        if body.logprobs is not None:
-            tokens = [policy.token(i) for i in done.ids]
-            choice["logprobs"] = {
-                "tokens": tokens,
-                "token_logprobs": done.logprobs,
-                "top_logprobs": None,
-            }
-        response = _envelope("text_completion", policy, prompt, done) | {"choices": [choice]}
-        if body.stream:
-            return _stream([response | {"choices": [choice]}])
-        return response
-
-    async def chat(request: Request) -> Any:
-        body = await _decode(request, ChatRequest)
-        _check_model(body.model, policy)
-        tools = [tool.function.name for tool in body.tools or ()]
-        if body.episode_id is not None:
-            context = recorder.context(body.episode_id, body.messages, body.group)
-        else:
-            context = [i for m in body.messages for i in _render(policy, m)]
-        try:
-            limit = body.max_completion_tokens or body.max_tokens
-            sampling = _sampling(policy, len(context), limit, body.temperature, body.top_p)
-            done = await batcher.generate(context, sampling, body.seed)
-        except BaseException:
-            if body.episode_id is not None:
-                recorder.reply(body.episode_id, None, ChatMessage(role="assistant"))
-            raise
-        reply = policy.reply(done.ids, tools)
-        message = ChatMessage(role="assistant", content=reply.content,
-                              tool_calls=reply.tool_calls or None)  # fmt: skip
-        if body.episode_id is not None:
-            recorder.reply(body.episode_id, done, message)
-        finish = "tool_calls" if reply.tool_calls else done.finish
-        logprobs: dict[str, Any] | None = None
-        if body.logprobs:
-            logprobs = {"content": [
-                {"token": policy.token(i), "logprob": lp, "bytes": None, "top_logprobs": []}
-                for i, lp in zip(done.ids, done.logprobs, strict=True)
-            ]}  # fmt: skip
-        shown: dict[str, Any] = {"role": "assistant", "content": message.content}
-        if message.tool_calls:
-            shown["tool_calls"] = msgspec.to_builtins(message.tool_calls)
-        choice = {"index": 0, "message": shown, "finish_reason": finish, "logprobs": logprobs,
-                  "token_ids": done.ids}  # fmt: skip
-        response = _envelope("chat.completion", policy, context, done) | {"choices": [choice]}
-        if body.stream:
-            return _stream(_chunks(response, choice, message))
-        return response
-
-    async def reward(request: Request) -> dict[str, Any]:
-        body = await _decode(request, RewardReport)
-        episode = await recorder.finish(request.path_params["episode_id"], body.reward)
-        return {"episode_id": request.path_params["episode_id"], "submitted": True,
-                "turns": episode.turns, "tokens": len(episode.ids)}  # fmt: skip
-
     async def http_error(request: Request, exc: Exception) -> Response:
         assert isinstance(exc, HTTPException)
         return JSONResponse(
@@ -142,13 +83,208 @@ def build_app(policy: ServedPolicy, batcher: Batcher, recorder: Recorder, token:
         )
 
     routes = [
-        Route("/health", guarded(health), methods=["GET"]),
-        Route("/v1/models", guarded(models), methods=["GET"]),
-        Route("/v1/completions", guarded(completions), methods=["POST"]),
-        Route("/v1/chat/completions", guarded(chat), methods=["POST"]),
-        Route("/v1/episodes/{episode_id}/reward", guarded(reward), methods=["POST"]),
+        Route("/health", guarded(api.health), methods=["GET"]),
+        Route("/v1/models", guarded(api.models), methods=["GET"]),
+        Route("/v1/completions", guarded(api.completions), methods=["POST"]),
+        Route("/v1/chat/completions", guarded(api.chat), methods=["POST"]),
+        Route("/v1/episodes/{episode_id}/reward", guarded(api.reward), methods=["POST"]),
+        # An episode's own base URL: what a client configured with it alone calls.
+        Route("/episodes/{episode_id}/v1/models", guarded(api.models), methods=["GET"]),
+        Route("/episodes/{episode_id}/v1/chat/completions", guarded(api.chat), methods=["POST"]),
     ]
     return Starlette(routes=routes, exception_handlers={HTTPException: http_error})
+
+
+@dataclass
+class _Choice:
+    """One reply as sent: its ids (cut at a stop string), message and finish reason;
+    ``stopped``: its ids end with a stop token (what a continuation follows)."""
+
+    completion: Completion
+    message: ChatMessage
+    finish: str
+    stopped: bool
+
+
+class _Api:
+    """The route handlers, over the served policy, the batcher and the recorder."""
+
+    def __init__(self, policy: ServedPolicy, batcher: Batcher, recorder: Recorder) -> None:
+        self.policy = policy
+        self.batcher = batcher
+        self.recorder = recorder
+
+    async def models(self, request: Request) -> dict[str, Any]:
+        return {"object": "list", "data": [{
+            "id": self.policy.name, "object": "model", "created": 0, "owned_by": "corun",
+            "max_model_len": self.policy.max_len,
+        }]}  # fmt: skip
+
+    async def health(self, request: Request) -> dict[str, Any]:
+        return {"status": "ok"}
+
+    async def reward(self, request: Request) -> dict[str, Any]:
+        body = await _decode(request, RewardReport)
+        episode = await self.recorder.finish(request.path_params["episode_id"], body.reward)
+        return {"episode_id": request.path_params["episode_id"], "submitted": True,
+                "turns": episode.turns, "tokens": len(episode.ids)}  # fmt: skip
+
+    async def completions(self, request: Request) -> Any:
+        body = await _decode(request, CompletionRequest)
+        policy = self.policy
+        _check_model(body.model, policy)
+        prompt = _encode_prompt(policy, body.prompt)
+        top = body.logprobs or 0
+        sampling = _sampling(policy, len(prompt), body.max_tokens, body.temperature,
+                             body.top_p, top)  # fmt: skip
+        done = (await self.batcher.generate(prompt, sampling, body.seed))[0]
+        choice: dict[str, Any] = {
+            "index": 0, "text": policy.decode(done.ids), "finish_reason": done.finish,
+            "token_ids": done.ids, "logprobs": None,
+        }  # fmt: skip
+        if body.logprobs is not None:
+            tops = None
+            if top and done.top is not None:
+                tops = [{policy.token(i): lp for i, lp in row[:top]} for row in done.top]
+            tokens = [policy.token(i) for i in done.ids]
+            choice["logprobs"] = {"tokens": tokens, "token_logprobs": done.logprobs,
+                                  "top_logprobs": tops}  # fmt: skip
+        response = _envelope("text_completion", policy, prompt, [done]) | {"choices": [choice]}
+        return _stream([response]) if body.stream else response
+
+    async def chat(self, request: Request) -> Any:
+        body = await _decode(request, ChatRequest)
+        episode = _episode_id(request, body)
+        _check_chat(body, self.policy, episode)
+        tools = body.tools or []
+        names = [] if body.tool_choice == "none" else [t.function.name for t in tools]
+        if episode is None:
+            context = _render(self.policy, body.messages, tools)
+        else:
+            context = self.recorder.context(episode, body.messages, tools, body.group)
+        try:
+            limit = body.max_completion_tokens or body.max_tokens
+            sampling = _sampling(self.policy, len(context), limit, body.temperature, body.top_p,
+                                 body.top_logprobs or 0)  # fmt: skip
+            done = await self.batcher.generate(context, sampling, body.seed, body.n)
+            stops = [body.stop] if isinstance(body.stop, str) else body.stop or []
+            choices = [_choice(self.policy, c, names, stops) for c in done]
+        except BaseException:
+            if episode is not None:
+                self.recorder.abandon(episode)
+            raise
+        if episode is not None:
+            first = choices[0]
+            self.recorder.reply(episode, first.completion, first.message, first.stopped)
+        completions = [c.completion for c in choices]
+        response = _envelope("chat.completion", self.policy, context, completions)
+        shown = [self._shown(i, c, body.logprobs) for i, c in enumerate(choices)]
+        if body.stream:
+            usage = bool(body.stream_options and body.stream_options.include_usage)
+            return _stream(self._chunks(response, shown, choices, usage))
+        return response | {"choices": shown}
+
+    def _shown(self, index: int, choice: _Choice, logprobs: bool) -> dict[str, Any]:
+        """A choice of a chat response."""
+        message = choice.message
+        shown: dict[str, Any] = {"role": "assistant", "content": message.content}
+        if message.tool_calls:
+            shown["tool_calls"] = msgspec.to_builtins(message.tool_calls)
+        done = choice.completion
+        return {"index": index, "message": shown, "finish_reason": choice.finish,
+                "logprobs": {"content": self._logprobs(done)} if logprobs else None,
+                "token_ids": done.ids}  # fmt: skip
+
+    def _logprobs(self, done: Completion) -> list[dict[str, Any]]:
+        """Per-token log-probs, each with its most likely alternatives (when asked)."""
+        tops = done.top if done.top is not None else [[] for _ in done.ids]
+        return [
+            _token_logprob(self.policy.token(i), lp) | {"top_logprobs": [
+                _token_logprob(self.policy.token(j), top_lp) for j, top_lp in top
+            ]}
+            for i, lp, top in zip(done.ids, done.logprobs, tops, strict=True)
+        ]  # fmt: skip
+
+    def _chunks(
+        self, response: dict[str, Any], shown: list[dict[str, Any]], choices: list[_Choice],
+        include_usage: bool,
+    ) -> list[dict[str, Any]]:  # fmt: skip
+        """A chat response as stream chunks, choice after choice; then the usage."""
+        head = {k: v for k, v in response.items() if k not in ("choices", "usage")}
+        head["object"] = "chat.completion.chunk"
+        chunks = []
+        for index, (sent, choice) in enumerate(zip(shown, choices, strict=True)):
+            chunks += _choice_chunks(head, index, sent, choice, self.policy.decode)
+        if include_usage:
+            chunks.append(head | {"choices": [], "usage": response["usage"]})
+        return chunks
+
+
+def _choice_chunks(
+    head: dict[str, Any], index: int, sent: dict[str, Any], choice: _Choice,
+    decode: Callable[[Sequence[int]], str],
+) -> list[dict[str, Any]]:  # fmt: skip
+    """One choice as stream chunks: the role, the content a token at a time (each with
+    its log-prob, when asked) or the tool calls, the finish reason."""
+    chunks = []
+
+    def chunk(delta: dict[str, Any], logprobs: Any = None, finish: str | None = None) -> None:
+        content = None if logprobs is None else {"content": logprobs}
+        sent = {"index": index, "delta": delta, "finish_reason": finish, "logprobs": content}
+        chunks.append(head | {"choices": [sent]})
+
+    logprobs = (sent["logprobs"] or {}).get("content")
+    chunk({"role": "assistant", "content": ""})
+    if choice.message.tool_calls:
+        _tool_call_deltas(chunk, choice.message, logprobs)
+    else:
+        ids = choice.completion.ids
+        for k, piece in enumerate(content_pieces(ids, decode, choice.message.text())):
+            chunk({"content": piece}, None if logprobs is None else logprobs[k : k + 1])
+    chunk({}, finish=choice.finish)
+    return chunks
+
+
+def _tool_call_deltas(
+    chunk: Callable[..., None], message: ChatMessage, logprobs: list[Any] | None
+) -> None:
+    """A tool-call reply's content (if any) and calls as OpenAI stream deltas: each
+    call's id, type and name, then its arguments."""
+    if message.content:
+        chunk({"content": message.content}, logprobs)
+        logprobs = None
+    for k, call in enumerate(message.tool_calls or ()):
+        function = {"name": call.function.name, "arguments": ""}
+        opened = {"index": k, "id": call.id, "type": "function", "function": function}
+        chunk({"tool_calls": [opened]}, logprobs)
+        logprobs = None
+        chunk({"tool_calls": [{"index": k, "function": {"arguments": call.function.arguments}}]})
+
+
+def _choice(
+    policy: ServedPolicy, done: Completion, tools: Sequence[str], stops: Sequence[str]
+) -> _Choice:
+    """A generated reply as sent: cut at the first stop string (the ids kept through
+    the token that completes it, the content without it), parsed for tool calls."""
+    stopped, finish = done.finish == "stop", done.finish
+    match = find_stop(done.ids, policy.decode, stops)
+    if match is not None:
+        stopped = stopped and match.kept == len(done.ids)
+        done = _kept(done, match.kept)
+        finish = "stop"
+    reply = policy.reply(done.ids, tools)
+    content = reply.content
+    if match is not None and not reply.tool_calls:
+        content = match.text
+    elif match is not None and content:
+        content = cut_at_stop(content, stops)
+    message = ChatMessage(role="assistant", content=content, tool_calls=reply.tool_calls or None)
+    return _Choice(done, message, "tool_calls" if reply.tool_calls else finish, stopped)
+
+
+def _kept(done: Completion, n: int) -> Completion:
+    top = None if done.top is None else done.top[:n]
+    return Completion(done.ids[:n], done.logprobs[:n], done.versions[:n], "stop", top)
 
 
 # ----------------------------------------------------------------------------- helpers
@@ -178,6 +314,23 @@ def _path(message: str) -> str | None:
     return where or None
 
 
+def _episode_id(request: Request, body: ChatRequest) -> str | None:
+    """The episode a chat request records: its base URL's, or its body's."""
+    path = request.path_params.get("episode_id")
+    if path is not None and body.episode_id is not None and body.episode_id != path:
+        raise ServeError(400, f"episode_id {body.episode_id!r} differs from the episode "
+                         f"{path!r} of the URL", param="episode_id")  # fmt: skip
+    return path if path is not None else body.episode_id
+
+
+def _check_chat(body: ChatRequest, policy: ServedPolicy, episode: str | None) -> None:
+    _check_model(body.model, policy)
+    if body.n > 1 and episode is not None:
+        raise ServeError(400, "n > 1: an episode records one reply per request", param="n")
+    if body.top_logprobs and not body.logprobs:
+        raise ServeError(400, "top_logprobs needs logprobs: true", param="top_logprobs")
+
+
 def _check_model(model: str, policy: ServedPolicy) -> None:
     if model != policy.name:
         raise ServeError(404, f"the model {model!r} does not exist; this endpoint serves "
@@ -195,16 +348,16 @@ def _encode_prompt(policy: ServedPolicy, prompt: str | list[int]) -> list[int]:
         raise ServeError(400, f"prompt: {exc}", param="prompt") from None
 
 
-def _render(policy: ServedPolicy, message: ChatMessage) -> list[int]:
+def _render(policy: ServedPolicy, messages: list[ChatMessage], tools: Sequence[Any]) -> list[int]:
     try:
-        return policy.encode_message(message)
+        return policy.render(messages, tools)
     except ValueError as exc:
-        raise ServeError(400, f"message ({message.role}): {exc}", param="messages") from None
+        raise ServeError(400, f"messages: {exc}", param="messages") from None
 
 
 def _sampling(
     policy: ServedPolicy, prompt_len: int, max_tokens: int | None, temperature: float,
-    top_p: float,
+    top_p: float, top_logprobs: int,
 ) -> Sampling:  # fmt: skip
     room = policy.max_len - prompt_len
     tokens = room if max_tokens is None else max_tokens
@@ -212,39 +365,24 @@ def _sampling(
         raise ServeError(400, f"this model's maximum context length is {policy.max_len} "
                          f"tokens; the prompt has {prompt_len} and {tokens} more were asked "
                          "for", param="max_tokens", code="context_length_exceeded")  # fmt: skip
-    return Sampling(tokens, temperature, top_p)
+    return Sampling(tokens, temperature, top_p, top_logprobs)
+
+
+def _token_logprob(token: str, logprob: float) -> dict[str, Any]:
+    return {"token": token, "logprob": logprob, "bytes": list(token.encode())}
 
 
 def _envelope(
-    kind: str, policy: ServedPolicy, prompt: list[int], done: Completion
+    kind: str, policy: ServedPolicy, prompt: list[int], done: list[Completion]
 ) -> dict[str, Any]:
+    generated = sum(len(c.ids) for c in done)
     return {
         "id": f"{'chatcmpl' if kind.startswith('chat') else 'cmpl'}-{secrets.token_hex(8)}",
         "object": kind, "created": int(time.time()), "model": policy.name,
-        "usage": {"prompt_tokens": len(prompt), "completion_tokens": len(done.ids),
-                  "total_tokens": len(prompt) + len(done.ids)},
-        "version": max(done.versions, default=0),
+        "usage": {"prompt_tokens": len(prompt), "completion_tokens": generated,
+                  "total_tokens": len(prompt) + generated},
+        "version": max((v for c in done for v in c.versions), default=0),
     }  # fmt: skip
-
-
-def _chunks(
-    response: dict[str, Any], choice: dict[str, Any], message: ChatMessage
-) -> list[dict[str, Any]]:
-    """A chat response as stream chunks: the role, the content or the tool calls, the end."""
-    head = {k: v for k, v in response.items() if k not in ("choices", "usage")}
-    head["object"] = "chat.completion.chunk"
-
-    def chunk(delta: dict[str, Any], finish: str | None = None) -> dict[str, Any]:
-        return head | {"choices": [{"index": 0, "delta": delta, "finish_reason": finish,
-                                    "logprobs": None}]}  # fmt: skip
-
-    parts = [chunk({"role": "assistant", "content": ""})]
-    if message.tool_calls:
-        calls = [{"index": i, **msgspec.to_builtins(c)} for i, c in enumerate(message.tool_calls)]
-        parts.append(chunk({"tool_calls": calls}))
-    elif message.content:
-        parts.append(chunk({"content": message.content}))
-    return [*parts, chunk({}, choice["finish_reason"]) | {"usage": response["usage"]}]
 
 
 def _stream(events: list[dict[str, Any]]) -> StreamingResponse:

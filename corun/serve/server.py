@@ -42,13 +42,16 @@ def bearer_token(config: ServeConfig) -> str:
 
 
 class Endpoint:
+    """The endpoint of ``policy``; ``lane`` is its own compute lane (where a policy that
+    generates in process runs: ``Trainer.served_policy(lane)``), closed when it stops."""
+
     def __init__(
         self, policy: ServedPolicy, config: ServeConfig, lane: Lane,
         inbox: EpisodeInbox | None = None,
     ) -> None:  # fmt: skip
         self.config = config
         self.lane = lane
-        self.batcher = Batcher(policy, lane, config.max_batch, config.batch_wait_ms / 1000)
+        self.batcher = Batcher(policy, config.max_batch, config.batch_wait_ms / 1000)
         self.recorder = Recorder(policy, inbox, config.episode_ttl_s)
         self.app = build_app(policy, self.batcher, self.recorder, bearer_token(config))
         self.url = ""

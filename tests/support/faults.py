@@ -22,6 +22,9 @@ same array as JSON). The kinds are the real trainers with the fault points added
   ``tests.support.faults:reward``.
 - ``tests.support.faults:FaultyAgentic`` (``agentic``): ``env`` (an environment step).
 
+And :class:`SkipReload`, an engine wrapper whose weight updates silently do nothing
+(what the weight sync's fingerprint check catches: tests/test_engine_fingerprint.py).
+
 Actions:
 
 - ``raise``: what a real failure of that part raises — :class:`corun.contract.engine.EngineError`
@@ -279,6 +282,19 @@ class FaultyEngine(EngineWrapper):
             await self.injector.ahit("engine_shutdown", self.lane, EngineError)
         finally:
             await self.inner.shutdown()
+
+
+class SkipReload(EngineWrapper):
+    """An :class:`Engine` whose weight updates return without loading anything: a sync
+    that silently did not take, which corun/engines/fingerprint.py's ``sync_verified``
+    must catch (the engine's fingerprint stays that of its old weights)."""
+
+    def __init__(self, inner: Engine) -> None:
+        super().__init__(inner)
+        self.skipped: list[int] = []  # the versions it did not load
+
+    async def update_weights(self, state: Mapping[str, Tensor], version: int) -> None:
+        self.skipped.append(version)
 
 
 class FaultyEnv:

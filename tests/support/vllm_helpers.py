@@ -1,5 +1,6 @@
-"""Shared by the vLLM tests (tests/test_vllm.py, tests/test_vllm_server.py): the
-engine checks both engines pass (behaviour log-probs across syncs, a failed reload),
+"""Shared by the engine tests (tests/test_vllm.py, tests/test_vllm_server.py,
+tests/test_engine_fingerprint.py): the engine checks every engine passes (behaviour
+log-probs across syncs, top log-probs, weight fingerprints, a failed reload),
 a module's shared engine, a small ``hf_grpo`` table, a test-only HF GRPO trainer
 loaded by ``corun train`` as ``kind = "tests.support.vllm_helpers:HeldGRPOTrainer"``,
 and checks that a run's processes are gone. (Their fixtures: tests/support/vllm_fixtures.py.)
@@ -28,6 +29,8 @@ from torch import Tensor
 
 from corun import SetupContext
 from corun.contract.engine import Engine, EngineError, EngineWrapper, Generation, Sampling
+from corun.engines.fingerprint import sync_verified, weights_fingerprint
+from tests.support.faults import SkipReload
 from tests.support.processes import alive, group_alive, wait_until
 from trainers.hf.policy import ChatFormat, HFPolicy
 from trainers.hf.rl import HFGRPOConfig, HFGRPOTrainer, to_rollouts
@@ -111,6 +114,72 @@ def assert_argmax(policy: HFPolicy, rollouts: Rollouts) -> None:
     best = logits[:, prompt_len - 1 :].argmax(-1)
     mask = rollouts.response_mask
     assert torch.equal(best[mask], rollouts.response_ids[mask])
+
+
+TOP_K = 5  # top log-probs asked for
+TOP_TOLERANCE = 1e-4  # top vs recomputed log-probs (measured: < 3e-5, vLLM's offset)
+
+
+async def assert_top_logprobs(
+    engine: Engine, policy: HFPolicy, chat: ChatFormat, sampling: Sampling
+) -> None:
+    """With ``top_logprobs``, each step's top tokens are the policy's most likely under
+    the behaviour distribution (temperature-scaled, before top-p; greedy: T = 1), with
+    their log-probs, and the sampled tokens and behaviour log-probs are as without."""
+    rows = prompts(chat, 4)
+    await engine.update_weights(policy.weights(), 0)  # whatever the engine held before
+    asked = dataclasses.replace(sampling, top_logprobs=TOP_K)
+    generations = await engine.generate(rows, asked, seed=3)
+    rollouts = to_rollouts(rows, generations, chat.pad_id)
+    sequences, attention = rollouts.sequences, rollouts.attention_mask
+    with torch.no_grad():
+        logits = policy(sequences[:, :-1], None if attention is None else attention[:, :-1])
+    start = rollouts.prompt_ids.shape[1] - 1
+    dist = torch.log_softmax(logits[:, start:].float() / (sampling.temperature or 1.0), -1)
+    for row, generation in enumerate(generations):
+        assert generation.top is not None and len(generation.top) == len(generation.ids)
+        for step, entries in enumerate(generation.top):
+            ids = [token for token, _ in entries]
+            values = torch.tensor([value for _, value in entries])
+            expected = dist[row, step]
+            assert len(ids) == TOP_K and values.isfinite().all(), entries
+            assert (values[:-1] >= values[1:]).all(), entries  # best first
+            assert_close(values, expected[ids], f"row {row} step {step}: top log-probs")
+            assert_close(values, expected.topk(TOP_K).values, f"row {row} step {step}: top k")
+            sampled = expected[generation.ids[step]].reshape(1)
+            assert_close(torch.tensor([generation.logprobs[step]]), sampled, "behaviour")
+    if sampling.temperature == 0:
+        assert all(g.top and [s[0][0] for s in g.top] == g.ids for g in generations)
+    plain = await engine.generate(rows, sampling, seed=3)  # the same draws without them
+    assert [g.ids for g in plain] == [g.ids for g in generations]
+    assert all(g.top is None for g in plain)
+
+
+def assert_close(got: torch.Tensor, want: torch.Tensor, what: str) -> None:
+    diff = float((got - want).abs().max())
+    assert diff < TOP_TOLERANCE, f"{what} differ by {diff}: {got.tolist()} vs {want.tolist()}"
+
+
+async def assert_fingerprints_follow_syncs(engine: Engine, policy: HFPolicy) -> None:
+    """After a sync the engine's fingerprint is the trained state's; changed weights
+    change it; a sync the engine silently skips fails ``sync_verified``, one line
+    naming the version and both fingerprints."""
+    version = engine.version
+    first = await sync_verified(engine, policy.weights(), version + 1)
+    assert first == weights_fingerprint(policy.weights().values())
+    perturb(policy, seed=11)
+    second = await sync_verified(engine, policy.weights(), version + 2)
+    assert second != first and await engine.fingerprint() == second
+    perturb(policy, seed=12)
+    trained = weights_fingerprint(policy.weights().values())
+    skipping = SkipReload(engine)
+    with pytest.raises(EngineError) as failed:
+        await sync_verified(skipping, policy.weights(), version + 3)
+    assert str(failed.value) == (
+        f"weight sync to version {version + 3}: the engine serves weights {second}, "
+        f"not the trained {trained} (it did not reload them)"
+    )
+    assert skipping.skipped == [version + 3]
 
 
 def hf_trainer(model_dir: Path, **settings: Any) -> dict[str, Any]:

@@ -22,7 +22,7 @@ import msgspec
 import torch
 from torch import Tensor
 
-from corun import Batch, ConfigError, RolloutContext, SetupContext, world
+from corun import Batch, ConfigError, Lane, RolloutContext, SetupContext, world
 from corun.agents.runner import Generated
 from corun.contract.episodes import Environment, Episode
 from trainers.agentic import calculator
@@ -101,9 +101,11 @@ class AgenticEpisodes(TinyLMPolicyGradient[Any]):
             # than piling up episodes that would be stale by the time they are trained.
             self.inbox.capacity = 2 * self.run_config.data.batch_size * self.inbox.group_size
 
-    def served_policy(self) -> CalculatorPolicy:
+    def served_policy(self, lane: Lane) -> CalculatorPolicy:
         max_len = self.policy.config.max_len
-        return CalculatorPolicy(self.run_config.run.name, max_len, lambda: self.replicas.local()[0])
+        return CalculatorPolicy(
+            self.run_config.run.name, max_len, lambda: self.replicas.local()[0], lane
+        )
 
     def initial_policy(self) -> TinyLM:
         cfg = self.config

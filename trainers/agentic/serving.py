@@ -5,8 +5,9 @@ problem's text, an assistant message is its reply and EOS (a tool call renders a
 ``(a+b)``), a tool message is the calculator's answer at its fixed observation width.
 A reply that is a well-formed call becomes a ``calculator`` tool call (arguments
 ``{"expression": "a+b"}``) when the request offers that tool; anything else is text.
-Generation reads the rollout side's newest published weights from the endpoint's own
-lane, never the weights being trained.
+Generation reads the rollout side's newest published weights on the endpoint's own
+lane, never the weights being trained; TinyLM samples equally long prompts together, so
+a call's prompts are generated a length at a time.
 """
 
 from __future__ import annotations
@@ -24,7 +25,9 @@ from corun.contract.policy import (
     Reply,
     Sampling,
     ToolCall,
+    ToolSpec,
 )
+from corun.execution.compute import Lane
 from trainers.agentic import calculator
 from trainers.lm.engine import LocalEngine
 
@@ -32,23 +35,38 @@ TOOL = "calculator"
 
 
 class CalculatorPolicy:
-    def __init__(self, name: str, max_len: int, engine: Callable[[], LocalEngine]) -> None:
+    def __init__(
+        self, name: str, max_len: int, engine: Callable[[], LocalEngine], lane: Lane
+    ) -> None:
         self.name = name
         self.max_len = max_len
         self.vocab_size = calculator.VOCAB_SIZE
+        self.continuous_batching = False  # one blocking call at a time, on its lane
         self._engine = engine  # the calling thread's copy of the newest weights
+        self._lane = lane
 
     def encode(self, text: str) -> list[int]:
         return calculator.encode(text)
 
+    def render(self, messages: Sequence[ChatMessage], tools: Sequence[ToolSpec]) -> list[int]:
+        return [i for message in messages for i in self.encode_message(message)]
+
+    def continuation(
+        self, history: Sequence[ChatMessage], new: Sequence[ChatMessage],
+        tools: Sequence[ToolSpec], stopped: bool,
+    ) -> list[int]:  # fmt: skip
+        # Nothing follows a reply but the next messages (a reply's EOS is its own).
+        return self.render(new, tools)
+
     def encode_message(self, message: ChatMessage) -> list[int]:
+        """One message as the episode runner lays it out."""
         if message.role == "user":
-            return calculator.encode(message.content or "")
+            return calculator.encode(message.text())
         if message.role == "tool":
-            return calculator.encode_observation(message.content or "")
+            return calculator.encode_observation(message.text())
         if message.role == "assistant":
             calls = message.tool_calls or []
-            text = "".join(f"({_expression(c)})" for c in calls) or message.content or ""
+            text = "".join(f"({_expression(c)})" for c in calls) or message.text()
             return [*calculator.encode(text), calculator.EOS]
         raise ValueError("the calculator policy reads user, assistant and tool messages only")
 
@@ -67,24 +85,38 @@ class CalculatorPolicy:
             return Reply(None, [ToolCall(id=f"call_{call[1]}_{call[2]}", function=function)])
         return Reply(text)
 
-    def generate(
-        self, prompts: list[list[int]], sampling: Sampling, generator: torch.Generator
+    async def generate(
+        self, prompts: list[list[int]], sampling: Sampling, seed: int
     ) -> list[Completion]:
+        return await self._lane.run(self._generate, prompts, sampling, seed)
+
+    def _generate(
+        self, prompts: list[list[int]], sampling: Sampling, seed: int
+    ) -> list[Completion]:
+        """On the lane: the prompts a length at a time (in order of first appearance),
+        every draw from one generator."""
         engine = self._engine()
-        out = engine.generate(
-            torch.tensor(prompts), 1, sampling.max_tokens, sampling.temperature,
-            sampling.top_p, generator=generator,
-        )  # fmt: skip
-        completions = []
-        for row in range(len(prompts)):
-            n = int(out.response_mask[row].sum())
-            ids = out.response_ids[row, :n].tolist()
-            stopped = bool(ids) and ids[-1] == calculator.EOS
-            finish: Literal["stop", "length"] = "stop" if stopped else "length"
-            completions.append(Completion(
-                ids, out.logprobs[row, :n].tolist(), out.token_versions[row, :n].tolist(), finish
-            ))  # fmt: skip
-        return completions
+        generator = torch.Generator().manual_seed(seed)
+        rows: dict[int, list[int]] = {}
+        for row, prompt in enumerate(prompts):
+            rows.setdefault(len(prompt), []).append(row)
+        done: dict[int, Completion] = {}
+        for group in rows.values():
+            out = engine.generate(
+                torch.tensor([prompts[row] for row in group]), 1, sampling.max_tokens,
+                sampling.temperature, sampling.top_p, generator=generator,
+            )  # fmt: skip
+            for i, row in enumerate(group):
+                n = int(out.response_mask[i].sum())
+                ids = out.response_ids[i, :n].tolist()
+                stopped = bool(ids) and ids[-1] == calculator.EOS
+                finish: Literal["stop", "length"] = "stop" if stopped else "length"
+                done[row] = Completion(ids, out.logprobs[i, :n].tolist(),
+                                       out.token_versions[i, :n].tolist(), finish)  # fmt: skip
+        return [done[row] for row in range(len(prompts))]
+
+    def fingerprint(self, version: int) -> str:
+        return ""  # not tracked for the calculator's TinyLM
 
 
 def _expression(call: ToolCall) -> str:

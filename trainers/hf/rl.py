@@ -10,6 +10,15 @@ hidden states, the clipped and decoupled losses — are GRPO's and PPO's, unchan
 
 A sample whose reward function failed is not trained on (its tokens are masked out)
 and, under GRPO, takes its group's mean reward, so it moves nobody's advantage.
+
+Every weight sync is verified: the engine reports a fingerprint of the weights it now
+serves, computed on its side, and a mismatch with the trained weights fails the run
+naming the version (corun/engines/fingerprint.py). The fingerprint of each version
+goes with the batches it generated (the ``step`` event's ``weights``) and with the
+served policy (:class:`HFRollouts.served_policy`: the endpoint generates on the same
+engine). :class:`HFRollouts` is what an hf: policy on an engine is, whatever the task;
+:class:`HFPrompts` adds the prompts-and-reward-functions task (trainers/hf/agentic.py
+adds multi-turn tool episodes instead).
 """
 
 from __future__ import annotations
@@ -21,9 +30,12 @@ import msgspec
 import torch
 from torch import Tensor
 
-from corun import Batch, ConfigError, Dataset, RolloutContext, SetupContext, world
-from corun.contract.engine import Engine, Generation, Sampling
+from corun import Batch, ConfigError, Dataset, Lane, RolloutContext, SetupContext, world
+from corun.agents.chat import ChatTemplate, configured_stop_ids
+from corun.agents.served import EnginePolicy
+from corun.contract.engine import Engine, EngineError, Generation, Sampling
 from corun.engines.decode import left_pad
+from corun.engines.fingerprint import sync_verified, weights_fingerprint
 from corun.engines.options import EngineOptions
 from corun.engines.start import EngineKind, check_engine, start_engine
 from trainers.hf.evaluation import evaluate
@@ -72,8 +84,9 @@ HFPPOConfig = with_settings("HFPPOConfig", PPOConfig, HFSettings, check_hf_confi
 
 
 class HFRollouts(PolicyGradientTrainer[Any]):
-    """An hf: policy generating on an async rollout engine; the algorithm is the
-    subclass's (``Algorithm``)."""
+    """An hf: policy generating on an async rollout engine, each sync verified by the
+    engine's fingerprint; the task is the subclass's (``build_task``, ``dataset``,
+    ``rollout``, ``evaluate``), the algorithm too (``Algorithm``)."""
 
     policy: HFPolicy
     engine: Engine
@@ -99,6 +112,8 @@ class HFRollouts(PolicyGradientTrainer[Any]):
             cfg.engine, cfg.engine_options, self.policy, self.chat.pad_id, ctx,
             interrupt=cfg.inflight_at_sync == "interrupt", wrap=self.wrap_engine,
         )  # fmt: skip
+        # The fingerprint of each synced version's weights, as the engine reported them.
+        self.fingerprints: dict[int, str] = {0: await self._started_weights()}
 
     async def wrap_engine(self, engine: Engine) -> Engine:
         """The started engine as rollouts and syncs see it; a subclass may wrap it (to
@@ -108,13 +123,70 @@ class HFRollouts(PolicyGradientTrainer[Any]):
 
     def initial_policy(self) -> HFPolicy:
         cfg = self.config
-        policy, tokenizer = load_model(cfg.model, cfg.init_from, "`$.trainer.model`")
-        self.chat = ChatFormat(tokenizer, cfg.system_prompt)
+        policy, self.tokenizer = load_model(cfg.model, cfg.init_from, "`$.trainer.model`")
+        self.chat = ChatFormat(self.tokenizer, cfg.system_prompt)
         return policy
 
     def build(self, ctx: SetupContext) -> None:
-        """The policy and what trains it, then the rewards and the held-out prompts."""
+        """The policy and what trains it, then the task's pieces."""
         super().build(ctx)
+        self.build_task()
+
+    def build_task(self) -> None:
+        """The task's pieces (blocking work allowed: on the train lane)."""
+
+    def chat_template(self) -> ChatTemplate:
+        """The model's chat template over OpenAI-shaped messages (with tools)."""
+        return chat_template(self.policy, self.tokenizer, self.config)
+
+    # ---- sync: verified by the engine's fingerprint
+    async def sync_weights(self, version: int) -> str:
+        fingerprint = await sync_verified(self.engine, self.policy.weights(), version)
+        self.fingerprints[version] = fingerprint
+        return fingerprint
+
+    async def _started_weights(self) -> str:
+        """The fingerprint the started engine reports, checked against the policy's."""
+        served = await self.engine.fingerprint()
+        trained = weights_fingerprint(self.policy.weights().values())
+        if served != trained:
+            raise EngineError(
+                f"the engine started on weights {served}, not the policy's {trained} (version 0)"
+            )
+        return served
+
+    def weights(self, version: int) -> str:
+        """The fingerprint of the weights of ``version`` ("" when not synced in this run)."""
+        return self.fingerprints.get(version, "")
+
+    # ---- serving: the endpoint generates on the rollout engine (the lane is unused)
+    def served_policy(self, lane: Lane) -> EnginePolicy:
+        return EnginePolicy(
+            self.run_config.run.name, self.engine, self.chat_template(), self.max_len,
+            self.fingerprints, continuous_batching=self.config.engine != "local",
+        )  # fmt: skip
+
+    @property
+    def max_len(self) -> int:
+        return max_len(self.policy, self.config.engine_options.max_model_len)
+
+    def wandb_extra(self) -> dict[str, Any]:
+        return super().wandb_extra() | {"model/source": str(self.policy.source)}
+
+    def state_dict(self) -> dict[str, Any]:
+        return hf_state(self.policy, self.optimizer, extra=self.modules_state())
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        load_hf_state(state, self.policy, self.optimizer)
+        self.load_modules_state(state)
+
+
+class HFPrompts(HFRollouts):
+    """Prompts (the word problems, or a JSONL file) answered once and scored by the
+    configured reward functions."""
+
+    def build_task(self) -> None:
+        """The rewards and the held-out prompts."""
         data = self.run_config.data
         self.rewards = Rewards(self.config.rewards, "`$.trainer.rewards`")
         if data.path:
@@ -167,12 +239,10 @@ class HFRollouts(PolicyGradientTrainer[Any]):
             "perf/reward_time_s": time.monotonic() - generated,
         }
         data = self.algorithm.training_data(scored)
-        return Batch(data, metrics=metrics, version=rollouts.version)
+        version = rollouts.version
+        return Batch(data, metrics=metrics, version=version, weights=self.weights(version))
 
-    # ---- sync, evaluation, state
-    async def sync_weights(self, version: int) -> None:
-        await self.engine.update_weights(self.policy.weights(), version)
-
+    # ---- evaluation
     async def evaluate(self) -> dict[str, float]:
         cfg = self.config
         return await evaluate(
@@ -180,15 +250,23 @@ class HFRollouts(PolicyGradientTrainer[Any]):
             self.train_lane,
         )  # fmt: skip
 
-    def wandb_extra(self) -> dict[str, Any]:
-        return super().wandb_extra() | {"model/source": str(self.policy.source)}
 
-    def state_dict(self) -> dict[str, Any]:
-        return hf_state(self.policy, self.optimizer, extra=self.modules_state())
+def chat_template(policy: HFPolicy, tokenizer: Any, config: Any) -> ChatTemplate:
+    """The chat template of ``config.model`` (a usage error naming it when it has none),
+    ``config.system_prompt`` opening its conversations; its stop ids are the tokenizer's
+    EOS and those the model's generation config lists."""
+    try:
+        stops = configured_stop_ids(policy.source)
+        return ChatTemplate(tokenizer, config.system_prompt, stop_ids=stops)
+    except ValueError as exc:
+        raise ConfigError(f"`$.trainer.model` = {config.model!r}: {exc}") from None
 
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        load_hf_state(state, self.policy, self.optimizer)
-        self.load_modules_state(state)
+
+def max_len(policy: HFPolicy, limit: int | None = None) -> int:
+    """Tokens of prompt and reply together: the model's positions, and ``limit`` (the
+    engine's) when set."""
+    model_len = int(getattr(policy.model.config, "max_position_embeddings", 0) or 0)
+    return min([n for n in (model_len, limit) if n], default=4096)
 
 
 async def _on(ctx: SetupContext, fn: Any, *args: Any) -> Any:
@@ -216,11 +294,11 @@ def to_rollouts(prompts: list[list[int]], generations: list[Generation], pad_id:
     )
 
 
-class HFGRPOTrainer(HFRollouts):
+class HFGRPOTrainer(HFPrompts):
     Config = HFGRPOConfig
     Algorithm = GRPO
 
 
-class HFPPOTrainer(HFRollouts):
+class HFPPOTrainer(HFPrompts):
     Config = HFPPOConfig
     Algorithm = PPO

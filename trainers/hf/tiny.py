@@ -19,11 +19,21 @@ import torch
 from trainers.hf.tasks import corpus
 
 # A chat as plain text: "user: ...\nassistant: ...</s>\n"; the generation prompt ends
-# with "assistant:" so a reply starts right after it.
+# with "assistant:" so a reply starts right after it. Compact for 256 positions: offered
+# tools are one first line, "tools: calculator(expression)" (names and parameter names);
+# an assistant's tool calls follow its content as Hermes blocks,
+# '<tool_call>{"name": ..., "arguments": {...}}</tool_call>'; a tool message is
+# "tool: <content>\n". Plain system/user/assistant messages render byte for byte as the
+# first template did (tests/test_chat_template.py), so plain chat runs are unchanged.
 # (transformers renders templates with trim_blocks: a literal newline after a tag is
-# dropped, hence the '\\n' expression.)
+# dropped, hence the '\\n' expressions.)
 CHAT_TEMPLATE = (
+    "{% if tools %}tools: {% for t in tools %}{% set f = t['function'] %}"
+    "{% set p = f['parameters'] or {} %}{{ f['name'] }}({{ (p['properties'] or {}) | list "
+    "| join(', ') }}){% if not loop.last %}, {% endif %}{% endfor %}{{ '\\n' }}{% endif %}"
     "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}"
+    "{% for c in m['tool_calls'] or [] %}<tool_call>{{ {'name': c['function']['name'], "
+    "'arguments': c['function']['arguments']} | tojson }}</tool_call>{% endfor %}"
     "{% if m['role'] == 'assistant' %}{{ eos_token }}{% endif %}{{ '\\n' }}{% endfor %}"
     "{% if add_generation_prompt %}assistant:{% endif %}"
 )
@@ -65,7 +75,8 @@ def build(path: str | Path, *, hidden: int = 64, layers: int = 2, heads: int = 2
     return path
 
 
-BUILT_IN_DIR = Path("runs/models/tiny-llama")
+# Versioned: a directory built with an older chat template is never picked up.
+BUILT_IN_DIR = Path("runs/models/tiny-llama-2")
 
 
 def built_in() -> Path:
@@ -75,7 +86,7 @@ def built_in() -> Path:
     together (data-parallel ranks, test workers) build it once."""
     if not (BUILT_IN_DIR / "config.json").is_file():
         BUILT_IN_DIR.parent.mkdir(parents=True, exist_ok=True)
-        with open(BUILT_IN_DIR.parent / ".tiny-llama.lock", "w") as lock:
+        with open(BUILT_IN_DIR.parent / f".{BUILT_IN_DIR.name}.lock", "w") as lock:
             fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes
             if not (BUILT_IN_DIR / "config.json").is_file():
                 with tempfile.TemporaryDirectory(dir=BUILT_IN_DIR.parent) as tmp:

@@ -1,0 +1,243 @@
+"""GRPO and PPO over multi-turn tool episodes with a Hugging Face chat policy
+(registered as ``hf_agentic`` and ``hf_agentic_ppo``).
+
+What differs from the single-turn HF trainers (trainers/hf/rl.py) lives here: the task
+(the calculator as a chat function tool, trainers/hf/tools.py), an ``async def``
+rollout that runs a group of ``samples_per_prompt`` episodes per problem through
+their environments on the run's engine (corun/agents/chat_runner.py: each turn one
+``generate`` over every live transcript, the environments' messages rendered by the
+model's own chat template), or takes episodes that agents played through the endpoint
+(``episodes = "submitted"``), and an evaluation of greedy episodes on held-out
+problems. The policy, the engines, the verified weight syncs and the serving are
+:class:`~trainers.hf.rl.HFRollouts`'; the algorithms are GRPO's and PPO's, unchanged.
+
+A transcript's tokens after its prompt are one response row: the policy's sampled
+ids are trained; the template's ids between turns (tool results) are attended, never
+trained. Prompts of different lengths are left-padded and the position ids skip the
+padding, so every token is recomputed in the context, at the positions, it was sampled
+in. An episode whose environment failed or timed out is not trained on and, under
+GRPO, takes its group's mean reward.
+"""
+
+from __future__ import annotations
+
+import statistics
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import msgspec
+import torch
+from torch import Tensor
+
+from corun import Batch, ConfigError, Lane, RolloutContext, SetupContext, stable_seed, world
+from corun.agents.chat import ChatTemplate
+from corun.agents.chat_runner import ChatEnvironment, Generate, run_chat_episodes
+from corun.contract.engine import Generation, Sampling
+from corun.contract.episodes import Episode
+from corun.engines import decode
+from corun.engines.decode import left_pad
+from trainers.agentic import calculator
+from trainers.agentic.calculator import EnvSettings, Problem, Problems
+from trainers.agentic.rl import AgenticSettings, check_agentic_config
+from trainers.hf.policy import HFPolicy
+from trainers.hf.rl import DEFAULT_REWARDS, HFGRPOConfig, HFPPOConfig, HFRollouts
+from trainers.hf.tools import CalculatorChatEnv
+from trainers.lm.engine import Rollouts
+from trainers.lm.grpo import GRPO
+from trainers.lm.policy_gradient import Scored
+from trainers.lm.ppo import PPO
+from trainers.lm.settings import with_settings
+from trainers.pg import fill_failed
+
+# The environment of episode ``row`` of the rollout of data ``index`` (-1: evaluation).
+MakeEnv = Callable[[int, int, EnvSettings], ChatEnvironment]
+
+
+def check_chat_episodes(config: Any) -> None:
+    """Settings that mean nothing here: refused, naming them."""
+    check_agentic_config(config)
+    if config.rewards != DEFAULT_REWARDS:
+        raise ValueError("`$.rewards`: the environment scores an episode; there is nothing to set")
+    check_turn_tokens(config)
+
+
+def check_turn_tokens(config: Any) -> None:
+    if config.env.turn_tokens != EnvSettings().turn_tokens:
+        raise ValueError(
+            "`$.env.turn_tokens` is the TinyLM task's; an hf: policy's turns are "
+            "`$.max_new_tokens` tokens long"
+        )
+
+
+def calculator_envs(seed: int, system_prompt: str) -> MakeEnv:
+    """The environment of episode ``row`` of the rollout of data ``index`` (-1: an
+    evaluation); its seed only times the tool, never reaches the numbers."""
+
+    def make_env(index: int, row: int, settings: EnvSettings) -> ChatEnvironment:
+        return CalculatorChatEnv(settings, stable_seed("env", seed, index, row), system_prompt)
+
+    return make_env
+
+
+# The HF settings (model, engine, system prompt, max_new_tokens: tokens per turn), then
+# the episodes' (task, env, eval_size, episodes).
+HFAgenticConfig = with_settings(
+    "HFAgenticConfig", HFGRPOConfig, AgenticSettings, check_chat_episodes
+)
+HFAgenticPPOConfig = with_settings(
+    "HFAgenticPPOConfig", HFPPOConfig, AgenticSettings, check_chat_episodes
+)
+
+
+class HFAgentic(HFRollouts):
+    """An hf: chat policy trained on multi-turn tool episodes; the algorithm is the
+    subclass's (``Algorithm``)."""
+
+    async def setup(self, ctx: SetupContext) -> None:
+        submitted = self.config.episodes == "submitted"
+        if submitted and world().parallel:
+            raise ConfigError(
+                '`$.trainer.episodes` = "submitted": not under data-parallel training (the '
+                "episodes arrive unsharded); run it with run.nproc = 1"
+            )
+        self.inbox = ctx.inbox
+        if submitted:
+            if self.inbox is None:
+                raise ConfigError(
+                    '`$.trainer.episodes` = "submitted": nothing submits episodes to this run; '
+                    "embed it (corun.training) or set serve.enabled = true"
+                )
+            self.inbox.group_size = self.config.samples_per_prompt
+            # Two steps' worth in waiting: a faster agent pool waits (backpressure).
+            self.inbox.capacity = 2 * self.run_config.data.batch_size * self.inbox.group_size
+        await super().setup(ctx)
+
+    def build_task(self) -> None:
+        cfg = self.config
+        self.template = self.chat_template()
+        self.make_env = calculator_envs(self.run_config.run.seed, cfg.system_prompt)
+        self.eval_problems = calculator.eval_problems(cfg.eval_size)
+        self.sampling = Sampling(
+            cfg.max_new_tokens, cfg.temperature, cfg.top_p, self.template.stop_ids
+        )
+
+    def dataset(self) -> Problems:
+        return Problems(self.run_config.data.batch_size, self.run_config.run.seed)
+
+    # ---- rollout
+    async def rollout(self, problems: list[Problem], ctx: RolloutContext) -> Batch:
+        cfg, n = self.config, self.config.samples_per_prompt
+        if self.inbox is not None and cfg.episodes == "submitted":
+            episodes = await self.inbox.take(len(problems))
+        else:
+            tasks = [problem for problem in problems for _ in range(n)]
+            envs = [self.make_env(ctx.index, row, cfg.env) for row in range(len(tasks))]
+            episodes = await run_chat_episodes(
+                ctx, envs, tasks, self.engine.generate, self.template, self.sampling,
+                max_turns=cfg.env.max_turns, max_len=self.max_len,
+                step_timeout_s=cfg.env.step_timeout_s,
+            )  # fmt: skip
+        rollouts = episode_rollouts(episodes, self.template.pad_id, ctx.version or 0)
+        rewards = torch.tensor([e.reward for e in episodes])
+        trainable = torch.tensor([e.trainable for e in episodes])
+        prompts = [self.template.decode(e.prompt_ids) for e in episodes]
+        scored = Scored(rollouts, prompts, fill_failed(rewards, trainable, n))
+        metrics = {f"rollout/{k}": v for k, v in chat_episode_metrics(episodes).items()}
+        metrics["rollout/partial_ratio"] = float(rollouts.spans_versions().float().mean())
+        metrics["perf/env_wait_time_s"] = sum(e.env_wait_s for e in episodes)
+        version = rollouts.version
+        data = self.algorithm.training_data(scored)
+        return Batch(data, metrics, version=version, weights=self.weights(version))
+
+    # ---- evaluation: greedy episodes on held-out problems, no tool latency
+    async def evaluate(self) -> dict[str, float]:
+        cfg = self.config
+        return await evaluate_chat_agent(
+            self.policy, self.template, self.eval_problems, cfg.env, cfg.max_new_tokens,
+            self.max_len, self.train_lane, self.make_env,
+        )  # fmt: skip
+
+
+async def evaluate_chat_agent(
+    policy: HFPolicy, template: ChatTemplate, problems: Sequence[Problem],
+    settings: EnvSettings, max_new_tokens: int, max_len: int, lane: Lane | None,
+    make_env: MakeEnv,
+) -> dict[str, float]:  # fmt: skip
+    """Greedy episodes of the live ``policy`` on held-out problems without tool latency
+    (its cost is not the policy's), decoding on ``lane``: ``eval/success``,
+    ``eval/reward``, ``eval/tool_calls_mean``, ..."""
+    settings = msgspec.structs.replace(settings, latency_ms=0.0)
+    envs = [make_env(-1, row, settings) for row in range(len(problems))]
+    ctx = RolloutContext(-1, torch.Generator(), lane=lane, track="eval")
+    greedy = Sampling(max_new_tokens, 0.0, 1.0, template.stop_ids)
+    episodes = await run_chat_episodes(
+        ctx, envs, problems, greedy_decode(policy, template.pad_id, ctx), template, greedy,
+        max_turns=settings.max_turns, max_len=max_len, step_timeout_s=settings.step_timeout_s,
+    )  # fmt: skip
+    metrics = chat_episode_metrics(episodes)
+    metrics["reward"] = metrics.pop("reward_mean")  # eval/reward: the shared name
+    return {f"eval/{k}": v for k, v in metrics.items()}
+
+
+def greedy_decode(policy: HFPolicy, pad_id: int, ctx: RolloutContext) -> Generate:
+    """Generation by the live policy itself (no engine): greedy, on ``ctx``'s lane."""
+
+    async def generate(prompts: list[list[int]], sampling: Sampling, seed: int) -> list[Generation]:
+        return await ctx.compute(decode.generate, policy, prompts, sampling, None, pad_id)
+
+    return generate
+
+
+def chat_episode_metrics(episodes: list[Episode]) -> dict[str, float]:
+    """The TinyLM agentic trainer's episode metrics (mean reward, turns, tool calls; tool
+    errors, environment failures), success — the episode ended with the exact answer,
+    which is the only reply the calculator scores 1 — and trained tokens."""
+    metrics = {
+        "reward_mean": statistics.fmean(e.reward for e in episodes),
+        "reward_std": statistics.pstdev([e.reward for e in episodes]),
+        "turns_mean": statistics.fmean(e.turns for e in episodes),
+        "tool_calls_mean": statistics.fmean(e.tool_calls for e in episodes),
+        "tool_errors": float(sum(e.tool_errors for e in episodes)),
+        "env_failures": float(sum(not e.trainable for e in episodes)),
+        "success": statistics.fmean(float(e.status == "done" and e.reward == 1) for e in episodes),
+        "trained_tokens_mean": statistics.fmean(sum(e.trained) for e in episodes),
+    }
+    return metrics
+
+
+def episode_rollouts(episodes: list[Episode], pad_id: int, version: int) -> Rollouts:
+    """Episodes as one batch of token rows: prompts left-padded (``prompt_mask``), then
+    everything after the prompt, right-padded — the policy's tokens trained;
+    observations, padding and untrainable episodes masked out of the loss (but
+    observations attended: they are context)."""
+    prompt_ids, prompt_mask = left_pad([e.prompt_ids for e in episodes], pad_id)
+    width = max(1, max(len(e.ids) for e in episodes))
+
+    def rows(values: Any, fill: Any, dtype: torch.dtype) -> Tensor:
+        return torch.tensor([[*v, *[fill] * (width - len(v))] for v in values], dtype=dtype)
+
+    mask = rows([[t and e.trainable for t in e.trained] for e in episodes], False, torch.bool)
+    versions = [v for e in episodes for v, t in zip(e.versions, e.trained, strict=True) if t]
+    oldest = min(versions, default=version)
+    return Rollouts(
+        prompt_ids=prompt_ids,
+        response_ids=rows([e.ids for e in episodes], pad_id, torch.long),
+        response_mask=mask,
+        logprobs=rows([e.logprobs for e in episodes], 0.0, torch.float32),
+        truncated=torch.tensor([e.status != "done" for e in episodes]),
+        token_versions=rows(
+            [[max(v, oldest) for v in e.versions] for e in episodes], oldest, torch.long
+        ),
+        version=oldest,
+        prompt_mask=prompt_mask,
+    )
+
+
+class HFAgenticGRPOTrainer(HFAgentic):
+    Config = HFAgenticConfig
+    Algorithm = GRPO
+
+
+class HFAgenticPPOTrainer(HFAgentic):
+    Config = HFAgenticPPOConfig
+    Algorithm = PPO

@@ -1,0 +1,104 @@
+"""The warm start of ``hf_agentic`` (registered as ``hf_agentic_sft``): supervised
+learning on demonstrations of the calculator tool task — ask, call the calculator,
+read its result, answer — with the loss on the assistant's tokens only.
+
+A demonstration is laid out exactly as the episode runner lays out an episode
+(corun/agents/chat_runner.py's ``teacher_episode``): the first messages rendered by
+the model's chat template with the tools, each assistant reply as the template writes
+it through its stop token (the targets), the tool result as the template's
+continuation after the reply (context, never a target). The update is the SFT
+trainer's; the evaluation is the RL trainer's (greedy episodes on held-out problems).
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Any, Literal
+
+import msgspec
+import torch
+
+from corun import Batch, RolloutContext, SetupContext, ShuffledBatches
+from corun.agents.chat_runner import teacher_episode
+from corun.contract.episodes import Episode
+from trainers.agentic import calculator
+from trainers.agentic.calculator import EnvSettings, Problem, Problems
+from trainers.hf.agentic import calculator_envs, check_turn_tokens, evaluate_chat_agent
+from trainers.hf.rl import chat_template, check_hf_config, max_len
+from trainers.hf.sft import HFSFTTrainer
+from trainers.hf.state import load_model
+from trainers.hf.tools import TOOLS, demonstration
+from trainers.lm.settings import PositiveInt
+from trainers.lm.sft import SFTConfig
+from trainers.lm.tasks import TokenBatch
+
+
+class HFAgenticSFTConfig(SFTConfig, frozen=True, forbid_unknown_fields=True, kw_only=True):
+    task: Literal["calculator"] = "calculator"  # type: ignore[assignment]
+    model: str  # "hf:<dir>", or "tiny-llama"
+    system_prompt: str = ""
+    # Distinct demonstration problems, cycled in shuffled batches ("a few
+    # demonstrations"); 0: a fresh set of problems in every batch.
+    demonstrations: Annotated[int, msgspec.Meta(ge=0)] = 64
+    # Evaluation: greedy episodes of turns of at most this many tokens, within env's
+    # limits (its latency is 0).
+    max_new_tokens: PositiveInt = 96
+    env: EnvSettings = EnvSettings()
+    eval_size: PositiveInt = 256
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        check_hf_config(self)
+        check_turn_tokens(self)
+
+
+def episode_tokens(episodes: list[Episode], pad_id: int) -> TokenBatch:
+    """Episodes as teacher-forcing rows, right-padded (every row starts at position 0,
+    as its prompt does in a rollout); the loss covers the policy's tokens only."""
+    rows = [(e.prompt_ids + e.ids, [False] * len(e.prompt_ids) + e.trained) for e in episodes]
+    length = max(len(ids) for ids, _ in rows) - 1
+
+    def padded(values: list[Any], fill: Any) -> list[Any]:
+        return values + [fill] * (length - len(values))
+
+    return TokenBatch(
+        torch.tensor([padded(ids[:-1], pad_id) for ids, _ in rows]),
+        torch.tensor([padded(ids[1:], pad_id) for ids, _ in rows]),
+        torch.tensor([padded(trained[1:], False) for _, trained in rows]),
+    )
+
+
+class HFAgenticSFTTrainer(HFSFTTrainer):
+    """The HF SFT trainer's update and state on tool-use demonstrations."""
+
+    Config = HFAgenticSFTConfig  # type: ignore[assignment]
+    config: HFAgenticSFTConfig  # type: ignore[assignment]
+
+    def setup(self, ctx: SetupContext) -> None:
+        cfg = self.config
+        self.train_lane = ctx.lane
+        self.model, tokenizer = load_model(cfg.model, "", "`$.trainer.model`")
+        self.template = chat_template(self.model, tokenizer, cfg)
+        self.setup_optimizer(ctx)
+        self.eval_problems = calculator.eval_problems(cfg.eval_size)
+
+    def dataset(self) -> Any:
+        data, seed = self.run_config.data, self.run_config.run.seed
+        if self.config.demonstrations:
+            pool = Problems(self.config.demonstrations, seed).batch(0)
+            return ShuffledBatches(pool, data.batch_size, seed, shuffle=True)
+        return Problems(data.batch_size, seed)
+
+    def rollout(self, problems: list[Problem], ctx: RolloutContext) -> Batch:  # type: ignore[override]
+        system = self.config.system_prompt
+        episodes = [
+            teacher_episode(self.template, demonstration(p, system), TOOLS) for p in problems
+        ]
+        return Batch(data=episode_tokens(episodes, self.template.pad_id))
+
+    async def evaluate(self) -> dict[str, float]:  # type: ignore[override]
+        cfg = self.config
+        return await evaluate_chat_agent(
+            self.model, self.template, self.eval_problems, cfg.env, cfg.max_new_tokens,
+            max_len(self.model), self.train_lane,
+            calculator_envs(self.run_config.run.seed, cfg.system_prompt),
+        )  # fmt: skip
