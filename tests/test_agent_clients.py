@@ -239,57 +239,68 @@ async def test_32_agents_across_weight_syncs(
     tmp_path: Path, tool_model: Path, anyio_backend: str
 ) -> None:
     """``hf_agentic`` trains on the episodes 32 agents (the ``openai`` SDK, each episode
-    on its own base URL) play through its endpoint, 4 steps of 2 problems x 4 episodes:
-    no request fails, every reply carries its version, the episodes trained on hold
-    per-token versions that never decrease, and several versions were served."""
-    steps = 4
+    on its own base URL) play through its endpoint — 8 teams of 4, a team's 4 on one
+    problem (a GRPO group) — 4 steps of 4 groups: no request fails (but for the 400 a
+    conversation longer than the model's 256 positions gets, which ends its episode),
+    every reply carries its version, the episodes trained on hold per-token versions that never
+    decrease, and several versions were served.
+
+    (Teams, and an inbox that holds 32 episodes: the inbox's back-pressure counts
+    episodes of incomplete groups too, so agents spread over more groups than it holds
+    could fill it with no complete group and wait forever.)"""
+    steps, group = 4, 4
     config = make_config(tmp_path, {
         "kind": "tests.support.hf_agents:RecordingHFAgentic", "model": "tiny-llama",
-        "init_from": str(tool_model), "episodes": "submitted", "samples_per_prompt": 4,
+        "init_from": str(tool_model), "episodes": "submitted", "samples_per_prompt": group,
         "max_new_tokens": 96, "temperature": 0.7, "off_policy_correction": "decoupled",
     }, run={"steps": steps, "name": MODEL, "backend": anyio_backend},
-        data={"batch_size": 2}, loop={"baseline_eval": False, "max_staleness": 2},
+        data={"batch_size": 4}, loop={"baseline_eval": False, "max_staleness": 2},
         serve={"enabled": True})  # fmt: skip
     trainer = RecordingHFAgentic(config)
     versions: list[int] = []
     failures: list[str] = []
-    problems = (p for i in itertools.count() for p in Problems(1, 7).batch(i) for _ in range(4))
-    numbered = itertools.count()
 
-    async def agent(http: httpx.AsyncClient, url: str) -> None:
-        while True:
-            problem, name = next(problems), f"agent-{next(numbered)}"
-            client = openai.AsyncOpenAI(base_url=f"{url}/episodes/{name}/v1", api_key="x",
-                                        http_client=http, max_retries=0)  # fmt: skip
-            try:
-                played = await play(client, problem, temperature=0.7)
-                versions.extend(t.version for t in played.turns)
-                score = {"reward": played.reward}
-                response = await http.post(f"{url}/v1/episodes/{name}/reward", json=score)
-                if response.status_code != 200:
-                    failures.append(f"reward {response.status_code}: {response.text}")
-            except openai.APIError as exc:
-                failures.append(f"{type(exc).__name__}: {exc}")
+    async def agent(http: httpx.AsyncClient, url: str, problem: Problem, name: str) -> None:
+        client = pool.with_options(base_url=f"{url}/episodes/{name}/v1")  # its connections
+        try:
+            played = await play(client, problem, temperature=0.7)
+            versions.extend(t.version for t in played.turns)
+            score = {"reward": played.reward}
+            response = await http.post(f"{url}/v1/episodes/{name}/reward", json=score)
+            if response.status_code != 200:
+                failures.append(f"reward {response.status_code}: {response.text}")
+        except openai.APIError as exc:
+            failures.append(f"{type(exc).__name__}: {exc}")
+
+    async def team(http: httpx.AsyncClient, url: str, k: int) -> None:
+        for i in itertools.count():
+            problem = Problems(1, seed=k).batch(i)[0]
+            async with anyio.create_task_group() as members:
+                for j in range(group):
+                    members.start_soon(agent, http, url, problem, f"team{k}-{i}-{j}")
 
     with anyio.fail_after(120):
         async with corun.training(config, trainer) as session:
             assert session.endpoint_url is not None
-            async with httpx.AsyncClient(timeout=60) as http:
+            pool = openai.AsyncOpenAI(base_url=session.endpoint_url, api_key="unused",
+                                      max_retries=0, timeout=60)  # fmt: skip
+            async with pool, httpx.AsyncClient(timeout=60) as http:
                 async with anyio.create_task_group() as agents:
-                    for _ in range(32):
-                        agents.start_soon(agent, http, session.endpoint_url)
+                    for k in range(32 // group):
+                        agents.start_soon(team, http, session.endpoint_url, k)
                     await session.wait_for_version(steps)
                     agents.cancel_scope.cancel()  # (mid-request: the client goes away)
             outcome = await session.finished()
     assert outcome is not None and outcome.reason == "done" and outcome.step == steps
     assert not failures, failures[:5]
     assert len(set(versions)) > 1, sorted(set(versions))
-    assert len(trainer.taken) == steps * 2 * 4
+    events = read_records(tmp_path / "events.jsonl")
+    assert [e["version"] for e in events if e["event"] == "sync"] == list(range(1, steps + 1))
+    dropped = sum(e["event"] == "drop" for e in events)  # too stale: taken again
+    assert len(trainer.taken) == (steps + dropped) * 4 * group
     for episode in trainer.taken:
         sampled = [v for v, t in zip(episode.versions, episode.trained, strict=True) if t]
         assert sampled == sorted(sampled) and sampled[0] >= 0
-    events = read_records(tmp_path / "events.jsonl")
-    assert [e["version"] for e in events if e["event"] == "sync"] == list(range(1, steps + 1))
 
 
 # ----------------------------------------------------------------------------- fingerprints

@@ -16,24 +16,31 @@ from typing import Any, Literal
 
 import anyio
 import pytest
+import torch
 
 import corun
 from corun.agents.chat import ChatTemplate
 from corun.agents.chat_runner import ChatStep, run_chat_episodes, teacher_episode
 from corun.contract.engine import Generation, Sampling
 from corun.contract.policy import ChatMessage, FunctionCall, ToolCall
+from corun.engines import decode
 from corun.records.events import read_records
 from tests.support.config import make_config
 from trainers.agentic.calculator import EnvSettings, Problem
+from trainers.hf.agentic import episode_rollouts
+from trainers.hf.policy import load_policy
 from trainers.hf.tiny import built_in
 from trainers.hf.tools import (
     TOOL_ERROR,
     TOOLS,
     CalculatorChatEnv,
     demonstration,
+    first_messages,
     practice,
     tool_call,
+    tool_message,
 )
+from trainers.lm.policy import rollout_logprobs
 
 REPO = Path(__file__).resolve().parents[1]
 PROBLEM = Problem(123, 456)
@@ -96,8 +103,6 @@ def scripted(turns: list[list[int]], stop_id: int) -> Any:
 
 
 def _ctx() -> corun.RolloutContext:
-    import torch
-
     return corun.RolloutContext(0, torch.Generator().manual_seed(0))
 
 
@@ -179,6 +184,55 @@ async def test_episodes_end_alone_at_failures_and_limits(
     assert all(e.trained == [True] * len(call_ids) for e in episodes)
     # 49 prompt + 85 sampled + 13 of the tool result: no room for another turn.
     assert (short[0].status, short[0].turns) == ("token_limit", 1)
+
+
+class ToolEveryTurn:
+    """Whatever the policy replies, a tool result follows; the second reply ends it."""
+
+    tools = TOOLS
+
+    def __init__(self) -> None:
+        self.replies = 0
+
+    async def reset(self, task: Problem) -> list[ChatMessage]:
+        return first_messages(task)
+
+    async def step(self, reply: ChatMessage) -> ChatStep:
+        self.replies += 1
+        if self.replies == 2:
+            return ChatStep([], 1.0, done=True)
+        return ChatStep([tool_message("579", tool_call("123+456"))], tool_call=True)
+
+
+@pytest.mark.anyio
+async def test_trained_tokens_recompute_to_their_behaviour_log_probs(anyio_backend: str) -> None:
+    """Episodes of a real model, prompts of different lengths, a tool result between
+    the turns: as one batch (prompts left-padded, the tool result attended but masked
+    out of the loss) the trainer's log-probs of the sampled tokens are the sampler's."""
+    policy, tokenizer = load_policy("tiny-llama", "test")
+    chat = ChatTemplate(tokenizer)
+
+    async def generate(prompts: list[list[int]], sampling: Sampling, seed: int) -> list[Generation]:
+        return decode.generate(policy, prompts, sampling, torch.Generator().manual_seed(seed),
+                               chat.pad_id)  # fmt: skip
+
+    problems = [Problem(123, 456), Problem(7, 8), Problem(1234, 5678)]
+    with anyio.fail_after(30):
+        episodes = await run_chat_episodes(
+            _ctx(), [ToolEveryTurn() for _ in problems], problems, generate, chat,
+            Sampling(6, 1.0, stop_ids=chat.stop_ids), max_turns=2, max_len=256,
+            step_timeout_s=5.0,
+        )  # fmt: skip
+    assert [e.status for e in episodes] == ["done"] * 3
+    assert len({len(e.prompt_ids) for e in episodes}) == 3
+    rollouts = episode_rollouts(episodes, chat.pad_id, 0)
+    assert rollouts.prompt_mask is not None
+    observed = ~rollouts.response_mask & (rollouts.response_ids != chat.pad_id)
+    assert observed.sum() >= 3 * len(chat.ids("tool: 579"))  # in the rows, not trained
+    with torch.no_grad():
+        logp, _, _ = rollout_logprobs(policy, rollouts, 1.0)
+    mask = rollouts.response_mask
+    torch.testing.assert_close(logp[mask], rollouts.logprobs[mask], atol=1e-5, rtol=0)
 
 
 # ----------------------------------------------------------------------------- end to end

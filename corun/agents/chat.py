@@ -131,11 +131,13 @@ class ChatTemplate:
     # ---- replies
     def parse(self, ids: Sequence[int], tools: Sequence[str]) -> Reply:
         """A reply: Hermes tool calls when ``tools`` are offered, else text; the content
-        without the tool call blocks (None if nothing is left)."""
+        without the tool call blocks (None if nothing is left) and without the
+        whitespace a template's generation prompt leaves before it (``"assistant:"``
+        then ``" 579"``). The transcript keeps the sampled ids whatever the content."""
         text = self.decode(ids)
         calls, rest = parse_tool_calls(text) if tools else ([], text)
         if not calls:
-            return Reply(text)
+            return Reply(text.lstrip())
         return Reply(rest.strip() or None, calls)
 
     def decode(self, ids: Sequence[int]) -> str:
@@ -274,6 +276,11 @@ def content_pieces(ids: Sequence[int], decode: Decode, content: str) -> list[str
             prefix, read = read, end
         else:
             pieces.append("")
+    if not content[:1].isspace():  # the whitespace parse() drops before a reply's text
+        for i, piece in enumerate(pieces):
+            pieces[i] = piece.lstrip()
+            if pieces[i]:
+                break
     out, used = [], 0
     for piece in pieces:  # clipped to the content (a stop string cut it short, say)
         take = _common_prefix(piece, content[used:])

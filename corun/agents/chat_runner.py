@@ -27,19 +27,17 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import time
 from collections.abc import Awaitable, Callable, Sequence
-from typing import Any, NamedTuple, Protocol, TypeVar
+from typing import Any, NamedTuple, Protocol
 
 import anyio
 import torch
 
+from corun.agents.runner import guarded
 from corun.contract.engine import Generation, Sampling
 from corun.contract.episodes import Episode
 from corun.contract.policy import ChatMessage, Reply, ToolSpec
 from corun.contract.trainer import RolloutContext
-
-T = TypeVar("T")
 
 
 class ChatStep(NamedTuple):
@@ -153,29 +151,6 @@ async def _reset(
         episode.prompt_ids = template.render(talk.messages, talk.tools)
     except ValueError as exc:  # the template cannot take the environment's messages
         episode.status, episode.reason = "failed", f"reset: ValueError: {exc}"
-
-
-async def guarded(
-    ctx: RolloutContext, episode: Episode, call: Callable[[], Awaitable[T]], timeout_s: float,
-    row: int,
-) -> T | None:  # fmt: skip
-    """``await call()`` — an environment's reset or step — under ``timeout_s``, its wait
-    added to the episode's ``env_wait_s``; when it raises or times out, the episode ends
-    ("failed", "timeout" with the reason) and the result is None."""
-    started = time.monotonic()
-    try:
-        with ctx.span("env", f"{ctx.track}/episode-{row}", turn=episode.turns):
-            with anyio.fail_after(timeout_s):
-                result = await call()
-    except TimeoutError:
-        episode.status, episode.reason = "timeout", f"environment step took over {timeout_s} s"
-        return None
-    except Exception as exc:  # the environment's failure ends its episode, not the run
-        episode.status, episode.reason = "failed", f"{type(exc).__name__}: {exc}"
-        return None
-    finally:
-        episode.env_wait_s += time.monotonic() - started
-    return result
 
 
 async def _step_all(

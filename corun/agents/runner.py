@@ -16,9 +16,10 @@ past ``step_timeout_s`` ends its own episode ("failed", "timeout"), never the ru
 
 from __future__ import annotations
 
+import functools
 import time
-from collections.abc import Callable, Sequence
-from typing import Any, NamedTuple
+from collections.abc import Awaitable, Callable, Sequence
+from typing import Any, NamedTuple, TypeVar
 
 import anyio
 import torch
@@ -26,6 +27,8 @@ from torch import Tensor
 
 from corun.contract.episodes import Environment, Episode, Step
 from corun.contract.trainer import RolloutContext
+
+T = TypeVar("T")
 
 
 class Generated(NamedTuple):
@@ -126,21 +129,34 @@ async def _step(
     ctx: RolloutContext, env: Environment, reply: str, episode: Episode,
     steps: list[Step | None], row: int, timeout_s: float,
 ) -> None:  # fmt: skip
+    step = await guarded(ctx, episode, functools.partial(env.step, reply), timeout_s, row)
+    if step is not None:
+        steps[row] = step
+        episode.tool_calls += step.tool_call
+        episode.tool_errors += step.tool_error
+
+
+async def guarded(
+    ctx: RolloutContext, episode: Episode, call: Callable[[], Awaitable[T]], timeout_s: float,
+    row: int,
+) -> T | None:  # fmt: skip
+    """``await call()`` — an environment's reset or step — under ``timeout_s``, its wait
+    added to the episode's ``env_wait_s``; when it raises or times out, the episode ends
+    ("failed", "timeout" with the reason) and the result is None."""
     started = time.monotonic()
     try:
         with ctx.span("env", f"{ctx.track}/episode-{row}", turn=episode.turns):
             with anyio.fail_after(timeout_s):
-                step = await env.step(reply)
+                result = await call()
     except TimeoutError:
         episode.status, episode.reason = "timeout", f"environment step took over {timeout_s} s"
+        return None
     except Exception as exc:  # the environment's failure ends its episode, not the run
         episode.status, episode.reason = "failed", f"{type(exc).__name__}: {exc}"
-    else:
-        steps[row] = step
-        episode.tool_calls += step.tool_call
-        episode.tool_errors += step.tool_error
+        return None
     finally:
         episode.env_wait_s += time.monotonic() - started
+    return result
 
 
 def _pad_observations(episodes: Sequence[Episode], pad: int) -> None:

@@ -6,29 +6,32 @@ bench``, and a program of its own::
 
     python -m corun.bench.endpoint_hf                     # local and vllm, ~4 min on 2 CPUs
     python -m corun.bench.endpoint_hf --engines vllm      # one engine
-    python -m corun.bench.endpoint_hf --quick --json out.json  # local only, ~20 s (the test's)
+    python -m corun.bench.endpoint_hf --quick --json out.json  # local only, ~25 s (the test's)
 
 1. **Load**: 1, 8 and 32 agents at once, each holding multi-turn chat conversations
    (``TURNS`` turns: a user question, the reply sent back with a follow-up, ...;
    ``MAX_TOKENS`` new tokens a reply at temperature 1), without and with capture (each
    conversation an episode on its own base URL ``/episodes/<id>/v1``, its reward posted
-   at the end). Completion tokens/s over the wall time, and p50/p99 latency of the chat
-   requests. Ratios: to 1 agent (same engine, same capture) and to no capture (same
-   engine, same agents), measured side by side in this run.
-2. **Weight-sync pause**: ``SYNC_AGENTS`` agents keep sending one-turn chats while the
-   trainer syncs its weights to the engine now and then (``trainer.sync_weights``, as a
-   run does: ``engine.update_weights`` with the trainer's weights, perturbed a little
-   before each sync so every version differs, versions increasing, then the engine's
-   fingerprint checked). A request whose time in flight overlapped a sync's is
-   "overlapping"; its extra latency is its latency over the p50 of the requests that
-   overlapped none. Syncs are spaced 3-5 p50 latencies apart (seeded), so both kinds
-   of request are plentiful.
+   at the end). Completion tokens/s over the wall time, p50/p99 latency of the chat
+   requests, and requests per generation call (the batcher's). Ratios: to 1 agent (same
+   engine, same capture), to no capture (same engine, same agents) and to ``local``,
+   measured side by side in this run.
+2. **Weight-sync pause**: ``Settings.sync_agents`` agents keep sending one-turn chats
+   while the trainer syncs its weights to the engine now and then
+   (``trainer.sync_weights``, as a run does: ``engine.update_weights`` with the
+   trainer's weights, perturbed a little before each sync so every version differs,
+   versions increasing, then the engine's fingerprint checked). A request whose time in
+   flight overlapped a sync's is "overlapping"; its extra latency is its latency over
+   the p50 of the requests that overlapped none ("clear"; their own p99 and max over it
+   are the noise floor). Syncs are spaced 3-5 p50 latencies apart (seeded), so both
+   kinds of request are plentiful.
 
-Clients run in this process (httpx on the same event loop as the server), as in
-corun/bench/endpoint.py. Nothing is asserted about timings: they belong here. The
-tiny model's weights are random, so replies run to ``MAX_TOKENS`` almost always (the
-token counts are what the endpoint reported). SIGINT or SIGTERM cancels the run and
-shuts the engines down.
+The agents run in a process of their own (:class:`Agents`), as real agents do: in the
+endpoint's process their HTTP clients would share its event loop and GIL with the
+engine's thread. Nothing is asserted about timings: they belong here. The tiny model's
+weights are random, so replies run to ``MAX_TOKENS`` almost always (the token counts
+are what the endpoint reported). SIGINT or SIGTERM cancels the run and shuts the
+engines down.
 """
 
 from __future__ import annotations
@@ -52,8 +55,11 @@ from pathlib import Path
 from typing import Any
 
 import anyio
+import anyio.to_thread
 import httpx
 import torch
+from anyio.abc import Process
+from anyio.streams.buffered import BufferedByteReceiveStream
 
 from corun.base.config import ServeConfig
 from corun.bench.quiet import OtherLoad
@@ -176,7 +182,7 @@ async def _call(hook: Callable[..., Any], *args: Any) -> None:
         await result
 
 
-# ----------------------------------------------------------------------------- agents
+# ----------------------------------------------------------------------------- the agents
 
 
 def question(rng: random.Random) -> dict[str, Any]:
@@ -184,21 +190,21 @@ def question(rng: random.Random) -> dict[str, Any]:
 
 
 class Agent:
-    """One client's chat requests: their latencies (s) and completion tokens."""
+    """One client's chat requests: their latencies (s), times and completion tokens."""
 
     def __init__(self, http: httpx.AsyncClient, seed: int) -> None:
         self.http = http
         self.rng = random.Random(seed)
         self.latencies: list[float] = []
-        self.spans: list[tuple[float, float]] = []  # (sent, answered), perf_counter
+        self.spans: list[tuple[float, float]] = []  # (sent, answered), time.monotonic
         self.tokens = 0
 
     async def chat(self, base: str, messages: list[dict[str, Any]]) -> dict[str, Any]:
         body = {"model": MODEL, "messages": messages, "max_tokens": MAX_TOKENS,
                 "temperature": 1.0}  # fmt: skip
-        sent = time.perf_counter()
+        sent = time.monotonic()
         response = await self.http.post(f"{base}/chat/completions", json=body)
-        answered = time.perf_counter()
+        answered = time.monotonic()
         if response.status_code != 200:
             raise RuntimeError(f"chat: {response.status_code} {response.text[:300]}")
         reply: dict[str, Any] = response.json()
@@ -228,6 +234,91 @@ class Agent:
             requests -= TURNS
 
 
+async def agents_main(url: str) -> None:
+    """The agents' process: a command a line on stdin, its result a JSON line on stdout.
+    ``{"load": [agents, requests, capture]}``: the figures of that many agents at once;
+    ``{"keep": agents}``: one-turn chats until a ``stop`` line, ``{"p50_s": ...}`` once
+    every agent has its first replies, then the requests' (sent, answered) times."""
+    async with httpx.AsyncClient(base_url=url, timeout=120) as http:
+        while line := await anyio.to_thread.run_sync(sys.stdin.readline):
+            command = json.loads(line)
+            if "load" in command:
+                result = await load(http, *command["load"])
+            else:
+                result = await keep_requesting(http, command["keep"])
+            print(json.dumps(result), flush=True)
+
+
+async def load(http: httpx.AsyncClient, agents: int, requests: int, capture: bool) -> Any:
+    pool = [Agent(http, seed=1000 * agents + i) for i in range(agents)]
+    started = time.monotonic()
+    async with anyio.create_task_group() as tasks:
+        for agent in pool:
+            tasks.start_soon(agent.conversations, max(1, requests // agents), capture)
+    seconds = time.monotonic() - started
+    latencies = [s * 1e3 for agent in pool for s in agent.latencies]
+    return {"tokens": sum(a.tokens for a in pool), "seconds": seconds, "latencies_ms": latencies}
+
+
+async def keep_requesting(http: httpx.AsyncClient, agents: int) -> Any:
+    pool = [Agent(http, seed=7_000 + i) for i in range(agents)]
+    warm, stop = anyio.Event(), anyio.Event()
+
+    async def requesting(agent: Agent) -> None:
+        while not stop.is_set():
+            await agent.chat("/v1", [question(agent.rng)])
+            if not warm.is_set() and all(len(a.latencies) >= 3 for a in pool):
+                warm.set()
+
+    async with anyio.create_task_group() as tasks:
+        for agent in pool:
+            tasks.start_soon(requesting, agent)
+        await warm.wait()
+        print(json.dumps({"p50_s": statistics.median(s for a in pool for s in a.latencies)}),
+              flush=True)  # fmt: skip
+        await anyio.to_thread.run_sync(sys.stdin.readline)  # "stop"
+        stop.set()
+    return [span for agent in pool for span in agent.spans]
+
+
+class Agents:
+    """The parent's end of the agents' process (``python -m corun.bench.endpoint_hf
+    --agents URL``). Their own process, as real agents are: in the endpoint's, their
+    clients share its event loop and GIL with the engine's generating thread, and their
+    requests trickle in (measured: 32 agents on the local engine got 2-4 requests a
+    generation call, 420 tokens/s; from a process of their own 11-27, 2,200 tokens/s)."""
+
+    def __init__(self, process: Process) -> None:
+        self.process = process
+        assert process.stdin is not None and process.stdout is not None
+        self.stdin = process.stdin
+        self.stdout = BufferedByteReceiveStream(process.stdout)
+
+    @classmethod
+    @asynccontextmanager
+    async def start(cls, url: str) -> AsyncIterator[Agents]:
+        command = [sys.executable, "-m", "corun.bench.endpoint_hf", "--agents", url]
+        async with await anyio.open_process(command, stderr=None) as process:
+            agents = cls(process)
+            try:
+                yield agents
+            finally:
+                await agents.stdin.aclose()  # the agents' cue to exit
+                with anyio.move_on_after(5, shield=True):  # mid-command: killed
+                    await process.wait()
+                if process.returncode is None:
+                    process.kill()
+
+    async def send(self, command: Any) -> None:
+        await self.stdin.send(json.dumps(command).encode() + b"\n")
+
+    async def receive(self) -> Any:
+        try:
+            return json.loads(await self.stdout.receive_until(b"\n", 1 << 28))
+        except (anyio.EndOfStream, anyio.IncompleteRead):
+            raise RuntimeError("the agents' process ended (its error is above)") from None
+
+
 # ----------------------------------------------------------------------------- load
 
 
@@ -239,38 +330,33 @@ class Sample:
     calls: int  # generation calls the endpoint's batcher made
 
 
-async def load(endpoint: Endpoint, agents: int, requests: int, capture: bool) -> Sample:
-    """``agents`` agents at once, ``requests`` chat requests in all."""
-    async with httpx.AsyncClient(base_url=endpoint.url, timeout=120) as http:
-        pool = [Agent(http, seed=1000 * agents + i) for i in range(agents)]
-        calls, started = endpoint.batcher.batches, time.perf_counter()
-        async with anyio.create_task_group() as tasks:
-            for agent in pool:
-                tasks.start_soon(agent.conversations, max(1, requests // agents), capture)
-        seconds = time.perf_counter() - started
-    latencies = [s * 1e3 for agent in pool for s in agent.latencies]
-    calls = endpoint.batcher.batches - calls
-    return Sample(sum(agent.tokens for agent in pool), seconds, latencies, calls)
-
-
-async def measure_load(endpoint: Endpoint, engine: str, settings: Settings) -> list[LoadRow]:
+async def measure_load(
+    endpoint: Endpoint, agents: Agents, engine: str, settings: Settings
+) -> list[LoadRow]:
     """Each agent count without and with capture, back to back, in ``settings.rounds``
     rounds (the orders alternating), after a warm-up of both paths; a row pools its
     rounds: their tokens over their seconds, their latencies."""
-    await load(endpoint, 8, 16, False)
-    await load(endpoint, 8, 16, True)
+
+    async def sample(count: int, requests: int, capture: bool) -> Sample:
+        calls = endpoint.batcher.batches
+        await agents.send({"load": [count, requests, capture]})
+        got = await agents.receive()
+        return Sample(**got, calls=endpoint.batcher.batches - calls)
+
+    await sample(8, 16, False)
+    await sample(8, 16, True)
     cells: dict[tuple[int, bool], list[Sample]] = {}
     for round_ in range(settings.rounds):
         counts = settings.agents if round_ % 2 == 0 else settings.agents[::-1]
-        for index, agents in enumerate(counts):
+        for index, count in enumerate(counts):
             for capture in (False, True) if (index + round_) % 2 == 0 else (True, False):
-                got = await load(endpoint, agents, settings.requests, capture)
-                cells.setdefault((agents, capture), []).append(got)
-                progress(f"{engine} {agents:>2} agents {'capture' if capture else 'plain':<7} "
+                got = await sample(count, settings.requests, capture)
+                cells.setdefault((count, capture), []).append(got)
+                progress(f"{engine} {count:>2} agents {'capture' if capture else 'plain':<7} "
                          f"round {round_ + 1}: {got.tokens / got.seconds:7.0f} tokens/s, p50 "
                          f"{percentile(got.latencies_ms, 50):6.1f} ms")  # fmt: skip
     order = sorted(cells, key=lambda cell: (cell[1], cell[0]))  # plain first, by agents
-    rows = [load_row(engine, agents, capture, cells[agents, capture]) for agents, capture in order]
+    rows = [load_row(engine, count, capture, cells[count, capture]) for count, capture in order]
     for row in rows:
         one = next(r for r in rows if r.agents == settings.agents[0] and r.capture == row.capture)
         plain = next(r for r in rows if r.agents == row.agents and not r.capture)
@@ -293,52 +379,31 @@ def load_row(engine: str, agents: int, capture: bool, samples: list[Sample]) -> 
 # ----------------------------------------------------------------------------- syncs
 
 
-async def measure_syncs(url: str, engine: str, trainer: Any, settings: Settings) -> SyncRow:
-    """Agents requesting while the trainer syncs (see the module's docstring)."""
-    syncs: list[tuple[float, float]] = []
-    warm, stop = anyio.Event(), anyio.Event()
-    async with httpx.AsyncClient(base_url=url, timeout=120) as http:
-        pool = [Agent(http, seed=7_000 + i) for i in range(settings.sync_agents)]
-
-        async def keep_requesting(agent: Agent) -> None:
-            while not stop.is_set():
-                await agent.chat("/v1", [question(agent.rng)])
-                if all(len(a.latencies) >= 2 for a in pool):  # a few replies each
-                    warm.set()
-
-        async with anyio.create_task_group() as tasks:
-            for agent in pool:
-                tasks.start_soon(keep_requesting, agent)
-            await warm.wait()
-            await sync_now_and_then(trainer, pool, settings.syncs, syncs)
-            stop.set()
-    return pause_row(engine, pool, syncs)
-
-
-async def sync_now_and_then(
-    trainer: Any, pool: list[Agent], count: int, syncs: list[tuple[float, float]]
-) -> None:
-    """``count`` verified syncs of perturbed weights, 3-5 p50 latencies apart, each
-    (started, ended) appended to ``syncs``; the gap again after the last."""
+async def measure_syncs(agents: Agents, engine: str, trainer: Any, settings: Settings) -> SyncRow:
+    """The agents requesting while the trainer syncs (see the module's docstring)."""
+    await agents.send({"keep": settings.sync_agents})
+    typical = (await agents.receive())["p50_s"]
     rng, noise = random.Random(0), torch.Generator().manual_seed(0)
-    for version in range(1, count + 2):
-        typical = statistics.median(s for a in pool for s in a.latencies)
+    syncs: list[tuple[float, float]] = []
+    for version in range(1, settings.syncs + 1):
         await anyio.sleep(rng.uniform(3, 5) * max(typical, 0.01))
-        if version > count:
-            return
         with torch.no_grad():  # the trainer's own copy: the engine holds another
             for weight in trainer.policy.model.parameters():
                 weight.add_(torch.randn(weight.shape, generator=noise) * PERTURB)
-        started = time.perf_counter()
-        await trainer.sync_weights(version)
-        syncs.append((started, time.perf_counter()))
+        started = time.monotonic()
+        await trainer.sync_weights(version)  # verified: update_weights, then fingerprints
+        syncs.append((started, time.monotonic()))
+    await anyio.sleep(rng.uniform(3, 5) * max(typical, 0.01))
+    await agents.send("stop")
+    return pause_row(engine, await agents.receive(), syncs)
 
 
-def pause_row(engine: str, pool: list[Agent], syncs: list[tuple[float, float]]) -> SyncRow:
+def pause_row(
+    engine: str, spans: list[tuple[float, float]], syncs: list[tuple[float, float]]
+) -> SyncRow:
     def overlaps(sent: float, answered: float) -> bool:
         return any(sent < end and start < answered for start, end in syncs)
 
-    spans = [span for agent in pool for span in agent.spans]
     hit = [(answered - sent) * 1e3 for sent, answered in spans if overlaps(sent, answered)]
     clear = [(answered - sent) * 1e3 for sent, answered in spans if not overlaps(sent, answered)]
     base = percentile(clear, 50)
@@ -369,10 +434,10 @@ async def measure(settings: Settings) -> tuple[list[LoadRow], list[SyncRow]]:
         for engine in sorted(settings.engines, key=lambda e: e != "vllm-server"):
             progress(f"starting {engine}")
             started = time.perf_counter()
-            async with served(engine) as (endpoint, trainer):
+            async with served(engine) as (endpoint, trainer), Agents.start(endpoint.url) as agents:
                 progress(f"{engine} serving in {time.perf_counter() - started:.1f} s")
-                loads += await measure_load(endpoint, engine, settings)
-                pauses.append(await measure_syncs(endpoint.url, engine, trainer, settings))
+                loads += await measure_load(endpoint, agents, engine, settings)
+                pauses.append(await measure_syncs(agents, engine, trainer, settings))
                 progress(f"{engine} syncs: {pauses[-1]}")
         done = True
         tasks.cancel_scope.cancel()
@@ -408,7 +473,7 @@ def tables(settings: Settings, loads: list[LoadRow], pauses: list[SyncRow]) -> l
           if (r.agents, r.capture) in local else "-", fmt(r.p50_ms, 1), fmt(r.p99_ms, 1),
           fmt(r.requests / max(1, r.calls), 1)]
          for r in loads],
-        [(f"{r.engine} {r.agents}{' capture' if r.capture else ''}", r.vs_one_agent)
+        [(f"{r.engine}, {r.agents} agents{', capture' if r.capture else ''}", r.vs_one_agent)
          for r in loads],
         f"{one} agent, same engine and capture, same run",
     )  # fmt: skip
@@ -453,7 +518,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--engines", type=parse_engines, help="a subset of "
                         f"{','.join(ENGINES)} (default: the grid's)")  # fmt: skip
     parser.add_argument("--json", type=Path, help="write the figures here too")
+    parser.add_argument("--agents", metavar="URL", help=argparse.SUPPRESS)  # their process
     args = parser.parse_args(argv)
+    if args.agents:  # the agents' process: the parent ends it (a Ctrl-C is the parent's)
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+        anyio.run(agents_main, args.agents)
+        return 0
     settings = GRIDS["quick" if args.quick else "full"]
     if args.engines:
         settings = replace(settings, engines=args.engines)

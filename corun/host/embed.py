@@ -20,7 +20,7 @@ from corun.loop.session import Session
 @asynccontextmanager
 async def training(config: Config, trainer: Trainer[Any] | None = None) -> AsyncIterator[Session]:
     """Train ``config`` (or ``trainer``) in the caller's task group; see the module doc."""
-    session = Session()
+    session = Session(embedded=True)
     if trainer is None:
         # Importing the trainer's modules takes 10-30 ms (more from a cold disk cache):
         # in a worker thread, so the host's loop keeps running (max lag 29 → 4 ms).

@@ -29,9 +29,10 @@ from corun.loop.teardown import RunControl
 class Session:
     """A host's handle on a run it embeds."""
 
-    def __init__(self, *, serve_only: bool = False) -> None:
+    def __init__(self, *, serve_only: bool = False, embedded: bool = False) -> None:
         # `corun serve`: set up, restore, serve the endpoint until stopped; no training.
         self.serve_only = serve_only
+        self.embedded = embedded  # a host holds it and may submit episodes
         self.control = RunControl()
         self.inbox = EpisodeInbox()
         self.endpoint_url: str | None = None

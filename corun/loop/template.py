@@ -170,7 +170,11 @@ class _Run:
         # imports numpy.random and reads source files, ~10 ms the host's loop would wait.
         await self.lanes.train.run(seed_everything, config.run.seed)
         ctx = SetupContext(config, register=teardown.push)
-        ctx.lane, ctx.inbox = self.lanes.train, self.session.inbox
+        ctx.lane = self.lanes.train
+        # Episodes arrive from outside only through a host that embeds the run, or the
+        # endpoint's capture: otherwise a trainer that waits on the inbox would wait forever.
+        if self.session.embedded or self.session.serve_only or config.serve.enabled:
+            ctx.inbox = self.session.inbox
         with self.trace.span("setup", "trainer"), guest.setting_up():
             await call_hook(self.lanes.train, trainer.setup, ctx)
         self.events.emit("setup", self.clock.step)

@@ -275,7 +275,7 @@ def _choice(
     reply = policy.reply(done.ids, tools)
     content = reply.content
     if match is not None and not reply.tool_calls:
-        content = match.text
+        content = match.text.lstrip()  # as parse() gives text
     elif match is not None and content:
         content = cut_at_stop(content, stops)
     message = ChatMessage(role="assistant", content=content, tool_calls=reply.tool_calls or None)

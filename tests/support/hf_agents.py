@@ -167,6 +167,7 @@ class Played:
     messages: list[dict[str, Any]]  # the conversation, the final reply last
     turns: list[Turn] = field(default_factory=list)
     reward: float = 0.0
+    outgrew: bool = False  # a request was refused: longer than the model takes
 
     @property
     def tool_calls(self) -> int:
@@ -175,21 +176,33 @@ class Played:
 
 async def play(
     client: openai.AsyncOpenAI, problem: Problem, *, stream: bool = False,
-    temperature: float = 0.0, max_turns: int = 3,
+    temperature: float = 0.0, max_turns: int = 2,
 ) -> Played:  # fmt: skip
     """One episode: ask, run each calculator call and re-send the history with its
-    result, until the policy answers in text (or ``max_turns`` replies)."""
+    result, until the policy answers in text, or after ``max_turns`` replies, or when
+    the conversation outgrows the model (the tiny model has 256 positions; a tool call
+    is ~85 tokens)."""
+    import openai
+
     played = Played([{"role": "user", "content": question(problem)}])
-    for _ in range(max_turns):
+    for turn_index in range(max_turns):
         ask: dict[str, Any] = {"model": MODEL, "messages": played.messages, "tools": TOOL_SPECS,
                                "max_tokens": 96, "temperature": temperature}  # fmt: skip
-        turn = await (_streamed(client, ask) if stream else _plain(client, ask))
+        try:
+            turn = await (_streamed(client, ask) if stream else _plain(client, ask))
+        except openai.BadRequestError as exc:
+            if exc.code != "context_length_exceeded":
+                raise
+            played.outgrew = True  # no answer (reward 0); the episode is as it was
+            break
         played.turns.append(turn)
         played.messages.append(turn.message)
         calls = turn.message.get("tool_calls") or []
         if not calls:
             played.reward = reward(problem, turn.message.get("content"))
             break
+        if turn_index == max_turns - 1:
+            break  # out of turns: no answer (reward 0)
         for call in calls:
             result = run_call(call["function"]["arguments"])
             played.messages.append({"role": "tool", "tool_call_id": call["id"], "content": result})

@@ -85,7 +85,6 @@ def episode_metrics(
     """Mean reward and success (the exact answer, when the problems are known), turns,
     tool calls; counts of tool errors and of episodes whose environment failed."""
     finished = [e for e in episodes if e.trainable]
-    answers = [calculator.decode(_last_reply(e)) for e in episodes]
     metrics = {
         "reward_mean": statistics.fmean(e.reward for e in episodes),
         "reward_std": statistics.pstdev([e.reward for e in episodes]),
@@ -95,6 +94,7 @@ def episode_metrics(
         "env_failures": float(len(episodes) - len(finished)),
     }
     if problems is not None:
+        answers = [calculator.decode(_last_reply(e)) for e in episodes]
         metrics["success"] = statistics.fmean(
             float(e.status == "done" and a == p.answer)
             for e, a, p in zip(episodes, answers, problems, strict=True)

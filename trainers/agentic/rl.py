@@ -24,7 +24,8 @@ from torch import Tensor
 
 from corun import Batch, ConfigError, Lane, RolloutContext, SetupContext, world
 from corun.agents.runner import Generated
-from corun.contract.episodes import Environment, Episode
+from corun.contract.episodes import Environment, Episode, EpisodeInbox
+from corun.engines.decode import left_pad
 from trainers.agentic import calculator
 from trainers.agentic.calculator import EnvSettings, Problem, Problems
 from trainers.agentic.policy import (
@@ -81,25 +82,10 @@ class AgenticEpisodes(TinyLMPolicyGradient[Any]):
     data_parallel = True
 
     def setup(self, ctx: SetupContext) -> None:
-        if self.config.episodes == "submitted" and world().parallel:
-            raise ConfigError(
-                '`$.trainer.episodes` = "submitted": not under data-parallel training (the '
-                "episodes arrive unsharded); run it with run.nproc = 1"
-            )
+        self.inbox = submitted_inbox(ctx, self.config, self.run_config.data.batch_size)
         super().setup(ctx)
         self.eval_problems = calculator.eval_problems(self.config.eval_size)
         self.train_lane = ctx.lane
-        self.inbox = ctx.inbox
-        if self.config.episodes == "submitted":
-            if self.inbox is None:
-                raise ConfigError(
-                    '`$.trainer.episodes` = "submitted": nothing submits episodes to this run; '
-                    "embed it (corun.training) or set serve.enabled = true"
-                )
-            self.inbox.group_size = self.config.samples_per_prompt
-            # Two steps' worth in waiting: a faster agent pool waits (backpressure) rather
-            # than piling up episodes that would be stale by the time they are trained.
-            self.inbox.capacity = 2 * self.run_config.data.batch_size * self.inbox.group_size
 
     def served_policy(self, lane: Lane) -> CalculatorPolicy:
         max_len = self.policy.config.max_len
@@ -122,13 +108,15 @@ class AgenticEpisodes(TinyLMPolicyGradient[Any]):
     async def rollout(self, problems: list[Problem], ctx: RolloutContext) -> Batch:
         cfg, n = self.config, self.config.samples_per_prompt
         tasks: list[Problem] | None = None
-        if self.inbox is not None and cfg.episodes == "submitted":
+        if self.inbox is not None:
             episodes = await self.inbox.take(len(problems))
         else:
             tasks = [problem for problem in problems for _ in range(n)]
             envs = [self.make_env(ctx.index, row, cfg.env) for row in range(len(tasks))]
             episodes = await run_agent(ctx, envs, tasks, self._sampler(ctx), cfg.env, self.policy)
-        rollouts = to_rollouts(episodes, ctx.version or 0)
+        rollouts = episode_rollouts(episodes, calculator.PAD, ctx.version or 0)
+        if rollouts.prompt_mask is not None:  # left padding would move TinyLM's positions
+            raise ValueError("the episodes of a batch need prompts of one length")
         rewards = torch.tensor([e.reward for e in episodes])
         prompts = [calculator.decode(e.prompt_ids) for e in episodes]
         trainable = torch.tensor([e.trainable for e in episodes])
@@ -164,13 +152,13 @@ class AgenticEpisodes(TinyLMPolicyGradient[Any]):
         )
 
 
-def to_rollouts(episodes: list[Episode], version: int) -> Rollouts:
-    """Episodes as one batch of token rows: the prompt, then everything after it (policy
-    tokens trained; observations, fillers and untrainable episodes masked out)."""
-    width = max(len(e.ids) for e in episodes)
-    if len({len(e.prompt_ids) for e in episodes}) > 1:
-        # Left padding would move every token's position: not the context it was sampled in.
-        raise ValueError("the episodes of a batch need prompts of one length")
+def episode_rollouts(episodes: list[Episode], pad_id: int, version: int) -> Rollouts:
+    """Episodes as one batch of token rows: prompts left-padded (``prompt_mask``; None
+    when they are equally long), then everything after the prompt, right-padded — the
+    policy's tokens trained; observations, fillers, padding and untrainable episodes
+    masked out of the loss (observations still attended: they are context)."""
+    prompt_ids, prompt_mask = left_pad([e.prompt_ids for e in episodes], pad_id)
+    width = max(1, max(len(e.ids) for e in episodes))
 
     def rows(values: Any, fill: Any, dtype: torch.dtype) -> Tensor:
         return torch.tensor([[*v, *[fill] * (width - len(v))] for v in values], dtype=dtype)
@@ -179,8 +167,8 @@ def to_rollouts(episodes: list[Episode], version: int) -> Rollouts:
     versions = [v for e in episodes for v, t in zip(e.versions, e.trained, strict=True) if t]
     oldest = min(versions, default=version)
     return Rollouts(
-        prompt_ids=torch.tensor([e.prompt_ids for e in episodes]),
-        response_ids=rows([e.ids for e in episodes], calculator.PAD, torch.long),
+        prompt_ids=prompt_ids,
+        response_ids=rows([e.ids for e in episodes], pad_id, torch.long),
         response_mask=mask,
         logprobs=rows([e.logprobs for e in episodes], 0.0, torch.float32),
         truncated=torch.tensor([e.status != "done" for e in episodes]),
@@ -188,7 +176,31 @@ def to_rollouts(episodes: list[Episode], version: int) -> Rollouts:
             [[max(v, oldest) for v in e.versions] for e in episodes], oldest, torch.long
         ),
         version=oldest,
+        prompt_mask=None if bool(prompt_mask.all()) else prompt_mask,
     )
+
+
+def submitted_inbox(ctx: SetupContext, config: Any, batch_size: int) -> EpisodeInbox | None:
+    """The inbox a trainer takes its episodes from when ``trainer.episodes =
+    "submitted"`` (None otherwise), sized for its groups; refused, naming the setting,
+    under data-parallel training or when nothing can submit to the run."""
+    if config.episodes != "submitted":
+        return None
+    if world().parallel:
+        raise ConfigError(
+            '`$.trainer.episodes` = "submitted": not under data-parallel training (the '
+            "episodes arrive unsharded); run it with run.nproc = 1"
+        )
+    if ctx.inbox is None:
+        raise ConfigError(
+            '`$.trainer.episodes` = "submitted": nothing submits episodes to this run; '
+            "embed it (corun.training) or set serve.enabled = true"
+        )
+    ctx.inbox.group_size = config.samples_per_prompt
+    # Two steps' worth in waiting: a faster agent pool waits (backpressure) rather than
+    # piling up episodes that would be stale by the time they are trained.
+    ctx.inbox.capacity = 2 * batch_size * ctx.inbox.group_size
+    return ctx.inbox
 
 
 class AgenticGRPOTrainer(AgenticEpisodes):

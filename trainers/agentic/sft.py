@@ -91,11 +91,9 @@ class AgenticSFTTrainer(Trainer[AgenticSFTConfig]):
         self.train_lane = ctx.lane
 
     def dataset(self) -> Any:
-        data, seed = self.run_config.data, self.run_config.run.seed
-        if self.config.demonstrations:
-            pool = Problems(self.config.demonstrations, seed).batch(0)
-            return ShuffledBatches(pool, data.batch_size, seed, shuffle=True)
-        return Problems(data.batch_size, seed)
+        data = self.run_config.data
+        return demonstration_problems(self.config.demonstrations, data.batch_size,
+                                      self.run_config.run.seed)  # fmt: skip
 
     def rollout(self, problems: list[Problem], ctx: RolloutContext) -> Batch:
         return Batch(encode_demonstrations(problems))
@@ -122,3 +120,12 @@ class AgenticSFTTrainer(Trainer[AgenticSFTConfig]):
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         load_policy_state(state, self.model, self.optimizer, self.config.task)
+
+
+def demonstration_problems(demonstrations: int, batch_size: int, seed: int) -> Any:
+    """The problems demonstrated: a fixed pool of ``demonstrations`` problems in
+    shuffled batches, or (0) a fresh batch of problems every step."""
+    if demonstrations:
+        pool = Problems(demonstrations, seed).batch(0)
+        return ShuffledBatches(pool, batch_size, seed, shuffle=True)
+    return Problems(batch_size, seed)

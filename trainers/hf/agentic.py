@@ -27,22 +27,25 @@ from typing import Any
 
 import msgspec
 import torch
-from torch import Tensor
 
-from corun import Batch, ConfigError, Lane, RolloutContext, SetupContext, stable_seed, world
+from corun import Batch, Lane, RolloutContext, SetupContext, stable_seed
 from corun.agents.chat import ChatTemplate
 from corun.agents.chat_runner import ChatEnvironment, Generate, run_chat_episodes
 from corun.contract.engine import Generation, Sampling
 from corun.contract.episodes import Episode
 from corun.engines import decode
-from corun.engines.decode import left_pad
 from trainers.agentic import calculator
 from trainers.agentic.calculator import EnvSettings, Problem, Problems
-from trainers.agentic.rl import AgenticSettings, check_agentic_config
+from trainers.agentic.policy import episode_metrics
+from trainers.agentic.rl import (
+    AgenticSettings,
+    check_agentic_config,
+    episode_rollouts,
+    submitted_inbox,
+)
 from trainers.hf.policy import HFPolicy
 from trainers.hf.rl import DEFAULT_REWARDS, HFGRPOConfig, HFPPOConfig, HFRollouts
 from trainers.hf.tools import CalculatorChatEnv
-from trainers.lm.engine import Rollouts
 from trainers.lm.grpo import GRPO
 from trainers.lm.policy_gradient import Scored
 from trainers.lm.ppo import PPO
@@ -94,22 +97,7 @@ class HFAgentic(HFRollouts):
     subclass's (``Algorithm``)."""
 
     async def setup(self, ctx: SetupContext) -> None:
-        submitted = self.config.episodes == "submitted"
-        if submitted and world().parallel:
-            raise ConfigError(
-                '`$.trainer.episodes` = "submitted": not under data-parallel training (the '
-                "episodes arrive unsharded); run it with run.nproc = 1"
-            )
-        self.inbox = ctx.inbox
-        if submitted:
-            if self.inbox is None:
-                raise ConfigError(
-                    '`$.trainer.episodes` = "submitted": nothing submits episodes to this run; '
-                    "embed it (corun.training) or set serve.enabled = true"
-                )
-            self.inbox.group_size = self.config.samples_per_prompt
-            # Two steps' worth in waiting: a faster agent pool waits (backpressure).
-            self.inbox.capacity = 2 * self.run_config.data.batch_size * self.inbox.group_size
+        self.inbox = submitted_inbox(ctx, self.config, self.run_config.data.batch_size)
         await super().setup(ctx)
 
     def build_task(self) -> None:
@@ -127,7 +115,7 @@ class HFAgentic(HFRollouts):
     # ---- rollout
     async def rollout(self, problems: list[Problem], ctx: RolloutContext) -> Batch:
         cfg, n = self.config, self.config.samples_per_prompt
-        if self.inbox is not None and cfg.episodes == "submitted":
+        if self.inbox is not None:
             episodes = await self.inbox.take(len(problems))
         else:
             tasks = [problem for problem in problems for _ in range(n)]
@@ -192,45 +180,12 @@ def chat_episode_metrics(episodes: list[Episode]) -> dict[str, float]:
     """The TinyLM agentic trainer's episode metrics (mean reward, turns, tool calls; tool
     errors, environment failures), success — the episode ended with the exact answer,
     which is the only reply the calculator scores 1 — and trained tokens."""
-    metrics = {
-        "reward_mean": statistics.fmean(e.reward for e in episodes),
-        "reward_std": statistics.pstdev([e.reward for e in episodes]),
-        "turns_mean": statistics.fmean(e.turns for e in episodes),
-        "tool_calls_mean": statistics.fmean(e.tool_calls for e in episodes),
-        "tool_errors": float(sum(e.tool_errors for e in episodes)),
-        "env_failures": float(sum(not e.trainable for e in episodes)),
-        "success": statistics.fmean(float(e.status == "done" and e.reward == 1) for e in episodes),
-        "trained_tokens_mean": statistics.fmean(sum(e.trained) for e in episodes),
-    }
-    return metrics
-
-
-def episode_rollouts(episodes: list[Episode], pad_id: int, version: int) -> Rollouts:
-    """Episodes as one batch of token rows: prompts left-padded (``prompt_mask``), then
-    everything after the prompt, right-padded — the policy's tokens trained;
-    observations, padding and untrainable episodes masked out of the loss (but
-    observations attended: they are context)."""
-    prompt_ids, prompt_mask = left_pad([e.prompt_ids for e in episodes], pad_id)
-    width = max(1, max(len(e.ids) for e in episodes))
-
-    def rows(values: Any, fill: Any, dtype: torch.dtype) -> Tensor:
-        return torch.tensor([[*v, *[fill] * (width - len(v))] for v in values], dtype=dtype)
-
-    mask = rows([[t and e.trainable for t in e.trained] for e in episodes], False, torch.bool)
-    versions = [v for e in episodes for v, t in zip(e.versions, e.trained, strict=True) if t]
-    oldest = min(versions, default=version)
-    return Rollouts(
-        prompt_ids=prompt_ids,
-        response_ids=rows([e.ids for e in episodes], pad_id, torch.long),
-        response_mask=mask,
-        logprobs=rows([e.logprobs for e in episodes], 0.0, torch.float32),
-        truncated=torch.tensor([e.status != "done" for e in episodes]),
-        token_versions=rows(
-            [[max(v, oldest) for v in e.versions] for e in episodes], oldest, torch.long
-        ),
-        version=oldest,
-        prompt_mask=prompt_mask,
+    metrics = episode_metrics(episodes, None)
+    metrics["success"] = statistics.fmean(
+        float(e.status == "done" and e.reward == 1) for e in episodes
     )
+    metrics["trained_tokens_mean"] = statistics.fmean(sum(e.trained) for e in episodes)
+    return metrics
 
 
 class HFAgenticGRPOTrainer(HFAgentic):

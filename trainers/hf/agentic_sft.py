@@ -17,11 +17,12 @@ from typing import Annotated, Any, Literal
 import msgspec
 import torch
 
-from corun import Batch, RolloutContext, SetupContext, ShuffledBatches
+from corun import Batch, RolloutContext, SetupContext
 from corun.agents.chat_runner import teacher_episode
 from corun.contract.episodes import Episode
 from trainers.agentic import calculator
-from trainers.agentic.calculator import EnvSettings, Problem, Problems
+from trainers.agentic.calculator import EnvSettings, Problem
+from trainers.agentic.sft import demonstration_problems
 from trainers.hf.agentic import calculator_envs, check_turn_tokens, evaluate_chat_agent
 from trainers.hf.rl import chat_template, check_hf_config, max_len
 from trainers.hf.sft import HFSFTTrainer
@@ -82,11 +83,9 @@ class HFAgenticSFTTrainer(HFSFTTrainer):
         self.eval_problems = calculator.eval_problems(cfg.eval_size)
 
     def dataset(self) -> Any:
-        data, seed = self.run_config.data, self.run_config.run.seed
-        if self.config.demonstrations:
-            pool = Problems(self.config.demonstrations, seed).batch(0)
-            return ShuffledBatches(pool, data.batch_size, seed, shuffle=True)
-        return Problems(data.batch_size, seed)
+        data = self.run_config.data
+        return demonstration_problems(self.config.demonstrations, data.batch_size,
+                                      self.run_config.run.seed)  # fmt: skip
 
     def rollout(self, problems: list[Problem], ctx: RolloutContext) -> Batch:  # type: ignore[override]
         system = self.config.system_prompt

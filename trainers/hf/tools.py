@@ -15,6 +15,8 @@ JSON object get an error tool message (the episode goes on, ``rollout/tool_error
 a reply without tool calls is the final answer, scored 1 when it is exactly the sum
 and 0.5 × the share of digits in place otherwise (partial credit gives RL a gradient
 early). An episode succeeds when it ends with the exact sum (reward 1).
+:func:`practice` is an agent that solves the problems through the endpoint with the
+same tool, its episodes captured for training (``trainer.episodes = "submitted"``).
 """
 
 from __future__ import annotations
