@@ -45,6 +45,7 @@ from tests.support.hf_agents import (
     TOOL_SPECS,
     Played,
     RecordingHFAgentic,
+    Teams,
     play,
     question,
     reward,
@@ -52,7 +53,7 @@ from tests.support.hf_agents import (
     serving,
     taken,
 )
-from trainers.agentic.calculator import Problem, Problems
+from trainers.agentic.calculator import Problem
 from trainers.hf.policy import load_policy
 
 pytestmark = pytest.mark.anyio
@@ -257,43 +258,22 @@ async def test_32_agents_across_weight_syncs(
         data={"batch_size": 4}, loop={"baseline_eval": False, "max_staleness": 2},
         serve={"enabled": True})  # fmt: skip
     trainer = RecordingHFAgentic(config)
-    versions: list[int] = []
-    failures: list[str] = []
-
-    async def agent(http: httpx.AsyncClient, url: str, problem: Problem, name: str) -> None:
-        client = pool.with_options(base_url=f"{url}/episodes/{name}/v1")  # its connections
-        try:
-            played = await play(client, problem, temperature=0.7)
-            versions.extend(t.version for t in played.turns)
-            score = {"reward": played.reward}
-            response = await http.post(f"{url}/v1/episodes/{name}/reward", json=score)
-            if response.status_code != 200:
-                failures.append(f"reward {response.status_code}: {response.text}")
-        except openai.APIError as exc:
-            failures.append(f"{type(exc).__name__}: {exc}")
-
-    async def team(http: httpx.AsyncClient, url: str, k: int) -> None:
-        for i in itertools.count():
-            problem = Problems(1, seed=k).batch(i)[0]
-            async with anyio.create_task_group() as members:
-                for j in range(group):
-                    members.start_soon(agent, http, url, problem, f"team{k}-{i}-{j}")
-
     with anyio.fail_after(120):
         async with corun.training(config, trainer) as session:
             assert session.endpoint_url is not None
-            pool = openai.AsyncOpenAI(base_url=session.endpoint_url, api_key="unused",
-                                      max_retries=0, timeout=60)  # fmt: skip
-            async with pool, httpx.AsyncClient(timeout=60) as http:
+            client = openai.AsyncOpenAI(base_url=session.endpoint_url, api_key="unused",
+                                        max_retries=0, timeout=60)  # fmt: skip
+            async with client, httpx.AsyncClient(timeout=60) as http:
+                teams = Teams(client, http, session.endpoint_url, group)
                 async with anyio.create_task_group() as agents:
                     for k in range(32 // group):
-                        agents.start_soon(team, http, session.endpoint_url, k)
+                        agents.start_soon(teams.team, k)
                     await session.wait_for_version(steps)
                     agents.cancel_scope.cancel()  # (mid-request: the client goes away)
             outcome = await session.finished()
     assert outcome is not None and outcome.reason == "done" and outcome.step == steps
-    assert not failures, failures[:5]
-    assert len(set(versions)) > 1, sorted(set(versions))
+    assert not teams.failures, teams.failures[:5]
+    assert len(set(teams.versions)) > 1, sorted(set(teams.versions))
     events = read_records(tmp_path / "events.jsonl")
     assert [e["version"] for e in events if e["event"] == "sync"] == list(range(1, steps + 1))
     dropped = sum(e["event"] == "drop" for e in events)  # too stale: taken again

@@ -69,8 +69,16 @@ async def test_host_keeps_serving_then_cancels(tmp_path: Path, anyio_backend: st
     assert _lanes() == []
 
 
-async def test_leaving_the_block_stops_the_run(tmp_path: Path, anyio_backend: str) -> None:
-    config = make_config(tmp_path, SFT, run={"steps": 500}, loop={"baseline_eval": False})
+@pytest.mark.parametrize("serving", [False, True])
+async def test_leaving_the_block_stops_the_run(
+    tmp_path: Path, anyio_backend: str, serving: bool
+) -> None:
+    # Serving too: the endpoint's stop once let a cancellation escape into the run's
+    # task group on asyncio, and the save on the way out was lost.
+    trainer, serve = (TINY, {"enabled": True}) if serving else (SFT, {})
+    config = make_config(
+        tmp_path, trainer, run={"steps": 500}, loop={"baseline_eval": False}, serve=serve
+    )
     with anyio.fail_after(60):
         async with corun.training(config) as session:
             await session.wait_for_version(3)

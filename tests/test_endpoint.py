@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from corun.base.config import ServeConfig
-from corun.contract.episodes import EpisodeInbox
+from corun.contract.episodes import Episode, EpisodeInbox
 from corun.execution.compute import Lane
 from corun.serve.server import Endpoint
 from trainers.agentic import calculator
@@ -198,3 +198,18 @@ async def test_an_episode_is_recorded_token_for_token(anyio_backend: str) -> Non
     assert episode.ids == [*ids1, *observation, *ids2]
     assert episode.trained == [True] * len(ids1) + [False] * len(observation) + [True] * len(ids2)
     assert episode.reward == 0.5 and episode.group == "g" and episode.versions[0] == 0
+
+
+async def test_an_inbox_full_of_begun_groups_still_completes_them(anyio_backend: str) -> None:
+    """A full inbox holds new groups back, never the episodes that complete a begun one
+    (else begun groups and a waiting trainer would wait on each other forever)."""
+    inbox = EpisodeInbox(capacity=4)
+    inbox.group_size = 2
+    with anyio.fail_after(10):
+        for group in "abcd":
+            await inbox.put(Episode(prompt_ids=[1], group=group))
+        with anyio.move_on_after(0.05) as new_group:
+            await inbox.put(Episode(prompt_ids=[1], group="e"))
+        assert new_group.cancelled_caught  # full: a new group waits
+        await inbox.put(Episode(prompt_ids=[1], group="a"))  # completes "a": no wait
+        assert [e.group for e in await inbox.take(1)] == ["a", "a"]

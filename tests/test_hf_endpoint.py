@@ -210,13 +210,16 @@ class Gated:
     """A served policy's ``generate`` alone: a 1-token request waits for ``gate``, a
     3-token one fails."""
 
-    def __init__(self) -> None:
+    def __init__(self, continuous_batching: bool = True) -> None:
+        self.continuous_batching = continuous_batching
         self.gate = anyio.Event()
         self.started = anyio.Event()
+        self.calls: list[int] = []  # the prompts of each call
 
     async def generate(
         self, prompts: list[list[int]], sampling: PolicySampling, seed: int
     ) -> list[Completion]:
+        self.calls.append(len(prompts))
         self.started.set()
         if sampling.max_tokens == 1:
             await self.gate.wait()
@@ -250,3 +253,28 @@ async def test_a_batch_does_not_wait_for_the_one_before(anyio_backend: str) -> N
                 policy.gate.set()
             tasks.cancel_scope.cancel()
     assert len(answers[1]) == 2
+
+
+async def test_a_one_call_engine_gathers_the_next_batch_meanwhile(anyio_backend: str) -> None:
+    """An engine that generates a call at a time (transformers): the requests that arrive
+    while a call runs are gathered and then generated together, in one call."""
+    policy = Gated(continuous_batching=False)
+    batcher = Batcher(policy, max_batch=8, wait_s=0.0)  # type: ignore[arg-type]
+    answers: list[Any] = []
+
+    async def ask(tokens: int) -> None:
+        answers.append(await batcher.generate([1, 2], PolicySampling(tokens, 1.0, 1.0), 0))
+
+    with anyio.fail_after(10):
+        async with anyio.create_task_group() as tasks:
+            tasks.start_soon(batcher.run)
+            async with anyio.create_task_group() as asking:
+                asking.start_soon(ask, 1)
+                await policy.started.wait()
+                for _ in range(3):
+                    asking.start_soon(ask, 2)
+                await anyio.sleep(0.05)
+                assert policy.calls == [1]  # the three wait for the running call
+                policy.gate.set()
+            tasks.cancel_scope.cancel()
+    assert policy.calls == [1, 3] and len(answers) == 4

@@ -97,7 +97,9 @@ class EpisodeInbox:
     each other (GRPO). Groups are handed out in the order they completed.
 
     ``put`` waits while ``capacity`` episodes are pending, so an agent pool faster than
-    the trainer is slowed down instead of filling memory.
+    the trainer is slowed down instead of filling memory — unless the episode joins a
+    group already begun (at most ``group_size - 1`` more per such group), so groups
+    left incomplete by a full inbox can still complete.
     """
 
     def __init__(self, capacity: int = 4096) -> None:
@@ -113,7 +115,9 @@ class EpisodeInbox:
         return self._pending
 
     async def put(self, episode: Episode) -> None:
-        while self._pending >= self.capacity:
+        # An episode that joins a group already begun never waits: groups left
+        # incomplete while the inbox is full would otherwise wait on each other forever.
+        while self._pending >= self.capacity and not self._begun(episode.group):
             await self._wait()
         group = self._groups.setdefault(episode.group, [])
         group.append(episode)
@@ -121,6 +125,9 @@ class EpisodeInbox:
         if len(group) == self.group_size:
             self._ready.append(episode.group)
         self._notify()
+
+    def _begun(self, group: str) -> bool:
+        return len(self._groups.get(group, ())) % self.group_size != 0
 
     async def take(self, groups: int) -> list[Episode]:
         """``groups`` complete groups, ``group_size`` episodes each, group after group."""

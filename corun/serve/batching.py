@@ -66,6 +66,10 @@ class Batcher:
         assert request.result is not None
         return request.result
 
+    def close(self) -> None:
+        """Take no more requests: :meth:`run` returns once those queued are answered."""
+        self._send.close()
+
     async def run(self) -> None:
         """Serve batches until cancelled (generations already started are finished);
         requests left waiting get an error."""
@@ -89,6 +93,12 @@ class Batcher:
     async def _gather(self, batch: list[_Request]) -> None:
         """Add what arrives within ``wait_s``, up to ``max_batch`` replies."""
         rows = batch[0].n
+        while rows < self.max_batch:  # what is queued already (arrived during a call)
+            try:
+                batch.append(self._receive.receive_nowait())
+            except anyio.WouldBlock:
+                break
+            rows += batch[-1].n
         with anyio.move_on_after(self.wait_s):
             while rows < self.max_batch:
                 batch.append(await self._receive.receive())

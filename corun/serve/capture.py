@@ -101,6 +101,7 @@ class Recorder:
         episode = record.episode
         episode.add_observation(ids)
         episode.add_turn(completion.ids, completion.logprobs, completion.versions, 0, pad_id=0)
+        episode.tool_calls += len(message.tool_calls or ())
         episode.fingerprint = self.policy.fingerprint(max(episode.versions))
         record.messages += [*new, message]
         record.stopped = stopped

@@ -86,7 +86,10 @@ class Endpoint:
                         tasks.start_soon(self.batcher.run)
                         task_status.started(self.url)
                         await _serve(self.app, hypercorn, self._stop.wait)
-                        tasks.cancel_scope.cancel()
+                        # No request is left: the batcher ends by running out of them.
+                        # (Not by cancelling its task group: on asyncio that cancel
+                        # escaped into the run's own task group and lost its last save.)
+                        self.batcher.close()
             finally:
                 self._stopped.set()
 

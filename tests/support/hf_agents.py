@@ -15,6 +15,7 @@ plays it, and two test kinds of the ``hf_agentic`` trainer.
 - :func:`play`: one calculator episode through the ``openai`` SDK — the tool offered,
   the policy's call run here, the history re-sent with the result, the answer scored —
   plain or streamed (tool-call deltas accumulated as a framework does).
+- :class:`Teams`: many such agents at once, in teams that play a problem together.
 - ``RecordingHFAgentic``: ``hf_agentic`` keeping the episodes it trains on;
   ``SkipReloadHFAgentic``: ``hf_agentic`` whose engine silently skips the reload of one
   version (tests/support/faults.py's ``SkipReload``, from ``skip_reload_at`` on).
@@ -22,6 +23,7 @@ plays it, and two test kinds of the ``hf_agentic`` trainer.
 
 from __future__ import annotations
 
+import itertools
 import json
 from collections.abc import AsyncIterator, Mapping
 from contextlib import asynccontextmanager
@@ -45,7 +47,7 @@ from corun.contract.episodes import Episode, EpisodeInbox
 from corun.engines.transformers_engine import TransformersEngine
 from corun.serve.server import Endpoint
 from tests.support.faults import SkipReload
-from trainers.agentic.calculator import Problem, answer_reward
+from trainers.agentic.calculator import Problem, Problems, answer_reward
 from trainers.hf.agentic import HFAgenticConfig, HFAgenticGRPOTrainer
 from trainers.hf.rl import chat_template
 from trainers.hf.state import load_model
@@ -242,6 +244,44 @@ async def _streamed(client: openai.AsyncOpenAI, ask: dict[str, Any]) -> Turn:
     if calls:
         message["tool_calls"] = [calls[k] for k in sorted(calls)]
     return Turn(message, version, finish, None)
+
+
+@dataclass
+class Teams:
+    """Agents that practise in teams of ``group`` through an endpoint, forever: a team's
+    agents play one problem at once (a GRPO group), each episode on its own base URL
+    (copies of ``client``, sharing its connections), and report their rewards.
+    Every reply's version is kept, and any failure (an ``openai`` error, a reward
+    refused) as a line."""
+
+    client: openai.AsyncOpenAI
+    http: Any  # an httpx.AsyncClient
+    url: str
+    group: int
+    temperature: float = 0.7
+    versions: list[int] = field(default_factory=list)
+    failures: list[str] = field(default_factory=list)
+
+    async def team(self, k: int) -> None:
+        for i in itertools.count():
+            problem = Problems(1, seed=k).batch(i)[0]
+            async with anyio.create_task_group() as members:
+                for j in range(self.group):
+                    members.start_soon(self.agent, problem, f"team{k}-{i}-{j}")
+
+    async def agent(self, problem: Problem, name: str) -> None:
+        import openai
+
+        client = self.client.with_options(base_url=f"{self.url}/episodes/{name}/v1")
+        try:
+            played = await play(client, problem, temperature=self.temperature)
+            self.versions.extend(t.version for t in played.turns)
+            score = {"reward": played.reward}
+            response = await self.http.post(f"{self.url}/v1/episodes/{name}/reward", json=score)
+            if response.status_code != 200:
+                self.failures.append(f"reward {response.status_code}: {response.text}")
+        except openai.APIError as exc:
+            self.failures.append(f"{type(exc).__name__}: {exc}")
 
 
 # ----------------------------------------------------------------------------- test kinds

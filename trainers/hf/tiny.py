@@ -53,6 +53,7 @@ def build(path: str | Path, *, hidden: int = 64, layers: int = 2, heads: int = 2
     trainer = trainers.BpeTrainer(
         vocab_size=vocab, special_tokens=["<pad>", "<s>", "</s>"],
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,  # `corun serve`'s first line is its URL, even on first use
     )  # fmt: skip
     tokenizer.train_from_iterator(corpus(), trainer)
     fast = PreTrainedTokenizerFast(
