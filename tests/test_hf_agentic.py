@@ -243,6 +243,15 @@ RL = {"model": "tiny-llama", "samples_per_prompt": 2, "eval_size": 4, "max_new_t
       "temperature": 1.0}  # fmt: skip
 
 
+def _warm_start(tmp_path: Path) -> tuple[corun.Config, str]:
+    """Four SFT steps on demonstrations, and where their checkpoint will be."""
+    sft = make_config(
+        tmp_path / "sft", SFT, run={"steps": 4, "seed": 1},
+        loop={"baseline_eval": False, "eval_interval": 4}, data={"batch_size": 4},
+    )  # fmt: skip
+    return sft, str(tmp_path / "sft/checkpoints/step-4")
+
+
 @pytest.mark.parametrize("kind", ["hf_agentic", "hf_agentic_ppo"])
 @pytest.mark.parametrize("anyio_backend", ["asyncio"])
 @pytest.mark.anyio
@@ -250,11 +259,7 @@ async def test_sft_then_rl_end_to_end(tmp_path: Path, kind: str, anyio_backend: 
     """A few SFT steps on demonstrations, then RL from them: episodes run, the behaviour
     log-probs are recomputed exactly (observations attended but not trained, positions
     past the left padding), every step names the verified weights that sampled it."""
-    sft = make_config(
-        tmp_path / "sft", SFT, run={"steps": 4, "seed": 1},
-        loop={"baseline_eval": False, "eval_interval": 4}, data={"batch_size": 4},
-    )  # fmt: skip
-    warm = str(tmp_path / "sft/checkpoints/step-4")
+    sft, warm = _warm_start(tmp_path)
     rl = make_config(
         tmp_path / "rl", {"kind": kind, **RL, "init_from": warm}, run={"steps": 2, "seed": 1},
         loop={"eval_interval": 2}, data={"batch_size": 2},
@@ -281,11 +286,7 @@ async def test_agents_through_the_endpoint_train_it(tmp_path: Path, anyio_backen
     """``episodes = "submitted"``: a host's agents solve problems through the endpoint,
     whose capture hands the episodes to the trainer; their behaviour log-probs (the
     engine's, at the agents' temperature) are recomputed exactly."""
-    sft = make_config(
-        tmp_path / "sft", SFT, run={"steps": 4, "seed": 1},
-        loop={"baseline_eval": False, "eval_interval": 4}, data={"batch_size": 4},
-    )  # fmt: skip
-    warm = str(tmp_path / "sft/checkpoints/step-4")
+    sft, warm = _warm_start(tmp_path)
     rl = make_config(
         tmp_path / "rl",
         {"kind": "hf_agentic", **RL, "init_from": warm, "episodes": "submitted",
