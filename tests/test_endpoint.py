@@ -45,12 +45,8 @@ def policy(lane: Lane) -> CalculatorPolicy:
 async def serving(**settings: Any) -> AsyncIterator[tuple[Endpoint, EpisodeInbox]]:
     inbox, lane = EpisodeInbox(), Lane("serve")
     endpoint = Endpoint(policy(lane), ServeConfig(enabled=True, **settings), lane, inbox)
-    async with anyio.create_task_group() as tasks:
-        await tasks.start(endpoint.run)
-        try:
-            yield endpoint, inbox
-        finally:
-            await endpoint.stop()
+    async with endpoint.running():
+        yield endpoint, inbox
 
 
 def chat(content: str = "123+456=", **extra: Any) -> dict[str, Any]:

@@ -84,13 +84,11 @@ async def serving(
     served = EnginePolicy(MODEL, engine, template, 256, {0: "weights-0"}, continuous_batching=False)
     inbox, lane = EpisodeInbox(), Lane("serve")
     endpoint = Endpoint(served, ServeConfig(enabled=True), lane, inbox)
-    async with anyio.create_task_group() as tasks:
-        await tasks.start(endpoint.run)
-        try:
-            yield endpoint.url, inbox, template
-        finally:
-            await endpoint.stop()
-            await engine.shutdown()
+    try:
+        async with endpoint.running() as url:
+            yield url, inbox, template
+    finally:
+        await engine.shutdown()
 
 
 async def test_replies_through_the_openai_client(anyio_backend: str) -> None:

@@ -90,15 +90,13 @@ async def measure(
     policy = served_policy(lane)
     endpoint = Endpoint(policy, ServeConfig(enabled=True, batch_wait_ms=wait_ms), lane)
     rows = []
-    async with anyio.create_task_group() as tasks:
-        await tasks.start(endpoint.run)
-        await tokens_per_s(endpoint.url, 8, 4)  # warm up
+    async with endpoint.running() as url:
+        await tokens_per_s(url, 8, 4)  # warm up
         for agents in agent_counts:
             before = endpoint.batcher.batches
-            rate = await tokens_per_s(endpoint.url, agents, max(1, total // agents))
+            rate = await tokens_per_s(url, agents, max(1, total // agents))
             rows.append((agents, rate, endpoint.batcher.batches - before))
         raw = [(n, await raw_tokens_per_s(policy, n)) for n in agent_counts]
-        await endpoint.stop()
     return rows, raw
 
 

@@ -163,12 +163,8 @@ async def served(engine: str) -> AsyncIterator[tuple[Endpoint, Any]]:
         endpoint = Endpoint(
             trainer.served_policy(serve_lane), ServeConfig(enabled=True), serve_lane
         )
-        async with anyio.create_task_group() as tasks:
-            await tasks.start(endpoint.run)
-            try:
-                yield endpoint, trainer
-            finally:
-                await endpoint.stop()
+        async with endpoint.running():
+            yield endpoint, trainer
 
 
 async def _teardown(ctx: SetupContext) -> None:

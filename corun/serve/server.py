@@ -12,6 +12,8 @@ from __future__ import annotations
 import logging
 import os
 import socket
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
 
 import anyio
 import anyio.abc
@@ -98,6 +100,17 @@ class Endpoint:
         self._stop.set()
         await self._stopped.wait()
         self.lane.close()
+
+    @asynccontextmanager
+    async def running(self) -> AsyncIterator[str]:
+        """Serve for the block (outside a run: a benchmark, a test); yields the URL and
+        stops gracefully on the way out, however the block ends."""
+        async with anyio.create_task_group() as tasks:
+            url = await tasks.start(self.run)
+            try:
+                yield url
+            finally:
+                await self.stop()
 
 
 async def _serve(app: object, config: HypercornConfig, shutdown: object) -> None:

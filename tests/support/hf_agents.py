@@ -101,13 +101,11 @@ async def serving(checkpoint: Path, *, max_batch: int = 64) -> AsyncIterator[Ser
     inbox = EpisodeInbox()
     endpoint = Endpoint(served, ServeConfig(enabled=True, max_batch=max_batch),
                         Lane("serve"), inbox)  # fmt: skip
-    async with anyio.create_task_group() as tasks:
-        await tasks.start(endpoint.run)
-        try:
-            yield Served(endpoint.url, inbox, template)
-        finally:
-            await endpoint.stop()
-            await engine.shutdown()
+    try:
+        async with endpoint.running() as url:
+            yield Served(url, inbox, template)
+    finally:
+        await engine.shutdown()
 
 
 class _NoSystemPrompt:
