@@ -140,7 +140,7 @@ def two_rank_runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
 def _weights(run_dir: Path, step: int) -> dict[str, torch.Tensor]:
     """Every model's weights in the trainer's state (``model``, or each side's, as
     ``text.model.<name>``), keyed by path."""
-    _, tensors = checkpoint.read(checkpoint.step_dir(run_dir, step))
+    _, tensors = checkpoint.read_whole(checkpoint.step_dir(run_dir, step))
     return _models(tensors["trainer"])
 
 

@@ -46,6 +46,12 @@ class RunConfig(Section, frozen=True, forbid_unknown_fields=True, kw_only=True):
     # Data-parallel processes on this machine: `corun train` launches torchrun with
     # this many ranks (corun/scale/launch.py); 1 trains in this process.
     nproc: Lanes = 1
+    # How a model that supports it is spread over those ranks (corun/execution/parallel.py):
+    # "ddp" replicates it on every rank and averages gradients (fastest while the model
+    # and its optimizer state fit one device); "fsdp" shards parameters, gradients and
+    # optimizer state over the ranks (memory per rank falls with run.nproc, at an
+    # all-gather per block and step). No effect at run.nproc = 1.
+    parallel: Literal["ddp", "fsdp"] = "ddp"
     # A collective (gradient all-reduce) that takes longer fails the run: a dead or
     # hung rank ends it within this time instead of hanging it.
     collective_timeout_s: PositiveFloat = 300.0

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Literal, Protocol
+from typing import Any, Literal, Protocol, runtime_checkable
 
 from torch import Tensor
 
@@ -55,6 +55,17 @@ class Generation:
     finish: Finish
     # With Sampling.top_logprobs: per token, the most likely (id, log-prob), best first.
     top: list[list[tuple[int, float]]] | None = None
+
+
+@dataclass(frozen=True)
+class Adapter:
+    """A LoRA adapter as ``peft`` saves one: the contents of its adapter_config.json and
+    its tensors under the names of adapter_model.safetensors
+    (``base_model.model.<module>.lora_A.weight``). Only these train and travel under
+    ``[trainer.lora]``; the engine keeps the base weights it started with."""
+
+    config: Mapping[str, Any]
+    tensors: Mapping[str, Tensor]
 
 
 class EngineError(RuntimeError):
@@ -102,6 +113,17 @@ class Engine(Protocol):
         ...
 
 
+@runtime_checkable
+class AdapterEngine(Protocol):
+    """An engine that takes LoRA adapters: it serves base weights plus the newest adapter,
+    and a generation runs to its end on the adapter it started with."""
+
+    async def update_adapter(self, adapter: Adapter, version: int) -> None:
+        """Serve ``adapter`` as policy ``version`` from the next generation on; its
+        ``fingerprint`` is then of the base weights with this adapter."""
+        ...
+
+
 class EngineWrapper:
     """An :class:`Engine` that passes every call to ``inner``: a wrapper (instruments,
     injected faults) overrides only the calls it adds to."""
@@ -124,6 +146,12 @@ class EngineWrapper:
 
     async def update_weights(self, state: Mapping[str, Tensor], version: int) -> None:
         await self.inner.update_weights(state, version)
+
+    async def update_adapter(self, adapter: Adapter, version: int) -> None:
+        """``inner``'s (:class:`AdapterEngine`); an :class:`EngineError` if it has none."""
+        if not isinstance(self.inner, AdapterEngine):
+            raise EngineError(f"{type(self.inner).__name__} takes no LoRA adapters")
+        await self.inner.update_adapter(adapter, version)
 
     async def fingerprint(self) -> str:
         return await self.inner.fingerprint()

@@ -15,6 +15,16 @@ summed as float32 bit patterns (widening is exact, so a bfloat16 state and the f
 copy an engine loaded from it agree), float64 ones as their 64-bit patterns, integer
 and boolean tensors as their values. A tensor listed twice (tied weights: a state dict
 holds the embedding under two names) counts once, as an engine holds it once.
+
+An engine may hold the weights in a lower precision than the trainer's float32 master
+weights (``[trainer.engine_options] dtype``): the trained state's fingerprint is then
+taken of its floating-point tensors rounded to the engine's dtype (``dtype=``; the
+rounding is torch's, as the engine's own copy into its weights), which the engine's
+fingerprint of what it holds equals.
+
+With a LoRA adapter (``update_adapter``) an engine's fingerprint is of its base weights
+plus the adapter's tensors, as the trainer's state dict (peft's layers injected) holds
+them; what each engine sums is in its docstring.
 """
 
 from __future__ import annotations
@@ -24,7 +34,7 @@ from collections.abc import Iterable, Mapping
 import torch
 from torch import Tensor
 
-from corun.contract.engine import Engine, EngineError
+from corun.contract.engine import Adapter, AdapterEngine, Engine, EngineError
 from corun.execution.compute import ComputeMode, blocking_io
 
 MASK32 = 0xFFFFFFFF
@@ -32,9 +42,10 @@ MOD = 2**64
 CHUNK = 1 << 24  # elements summed at once: the int64 copy of a chunk is 128 MiB
 
 
-def bits_sum(tensors: Iterable[Tensor]) -> int:
-    """The sum of the bit patterns of every element of ``tensors`` (mod 2**64); a
-    tensor sharing storage, shape and strides with an earlier one is skipped."""
+def bits_sum(tensors: Iterable[Tensor], dtype: torch.dtype | None = None) -> int:
+    """The sum of the bit patterns of every element of ``tensors`` (mod 2**64),
+    floating-point ones first rounded to ``dtype`` if given; a tensor sharing storage,
+    shape and strides with an earlier one is skipped."""
     seen: set[tuple[object, ...]] = set()
     total = 0
     for tensor in tensors:
@@ -46,8 +57,10 @@ def bits_sum(tensors: Iterable[Tensor]) -> int:
             continue
         seen.add(key)
         flat = tensor.reshape(-1)
-        for start in range(0, flat.numel(), CHUNK):
-            total += _chunk_sum(flat[start : start + CHUNK])
+        cast = dtype is not None and tensor.is_floating_point() and tensor.dtype != dtype
+        for start in range(0, flat.numel(), CHUNK):  # cast by chunk: no full copy
+            chunk = flat[start : start + CHUNK]
+            total += _chunk_sum(chunk.to(dtype) if cast else chunk)
     return total % MOD
 
 
@@ -67,25 +80,38 @@ def format_fingerprint(total: int) -> str:
     return f"{total % MOD:016x}"
 
 
-def weights_fingerprint(tensors: Iterable[Tensor]) -> str:
-    """The fingerprint of ``tensors`` (a state dict's values, a model's parameters)."""
-    return format_fingerprint(bits_sum(tensors))
+def weights_fingerprint(tensors: Iterable[Tensor], dtype: torch.dtype | None = None) -> str:
+    """The fingerprint of ``tensors`` (a state dict's values, a model's parameters);
+    with ``dtype``, of their floating-point values rounded to it (an engine's precision:
+    corun.engines.options.engine_dtype)."""
+    return format_fingerprint(bits_sum(tensors, dtype))
 
 
 async def sync_verified(
-    engine: Engine, state: Mapping[str, Tensor], version: int, *, mode: ComputeMode = "thread"
-) -> str:
-    """``engine.update_weights(state, version)``, then check that the engine serves
-    ``state``: its fingerprint must equal the state's. Returns the fingerprint; a
-    mismatch is an :class:`EngineError` naming the version and both fingerprints.
+    engine: Engine, state: Mapping[str, Tensor], version: int, *,
+    mode: ComputeMode = "thread", dtype: torch.dtype | None = None,
+    adapter: Adapter | None = None,
+) -> str:  # fmt: skip
+    """``engine.update_weights(state, version)`` — or, with ``adapter``,
+    ``engine.update_adapter(adapter, version)`` — then check that the engine serves
+    ``state`` (the trained model's whole state dict, base and adapter): its fingerprint
+    must equal the state's, rounded to ``dtype`` (the engine's precision) if given.
+    Returns the fingerprint; a mismatch is an :class:`EngineError` naming the version
+    and both fingerprints, as is an adapter for an engine that takes none.
     ``mode``: the run's compute mode (``loop.compute``; "inline" uses no threads)."""
     # Summed in a worker thread: a large model's weights take a second or so.
-    trained = await blocking_io(mode, weights_fingerprint, list(state.values()))
-    await engine.update_weights(state, version)
+    trained = await blocking_io(mode, weights_fingerprint, list(state.values()), dtype)
+    if adapter is None:
+        await engine.update_weights(state, version)
+    elif isinstance(engine, AdapterEngine):
+        await engine.update_adapter(adapter, version)
+    else:
+        raise EngineError(f"adapter sync to version {version}: the engine takes no adapters")
     served = await engine.fingerprint()
     if served != trained:
+        what = "adapter" if adapter is not None else "weight"
         raise EngineError(
-            f"weight sync to version {version}: the engine serves weights {served}, not "
+            f"{what} sync to version {version}: the engine serves weights {served}, not "
             f"the trained {trained} (it did not reload them)"
         )
     return served

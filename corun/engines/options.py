@@ -1,20 +1,30 @@
 """The settings of the rollout engines: ``[trainer.engine_options]``, and a vLLM
-engine's (those options and the model directory)."""
+engine's (those options and the model directory); the per-device defaults of the
+engine's precision and graph mode (:func:`resolved_dtype`, :func:`engine_dtype`,
+:func:`eager`)."""
 
 from __future__ import annotations
 
-from typing import Annotated, Any
+from typing import TYPE_CHECKING, Annotated, Any, Literal
 
 import msgspec
+
+if TYPE_CHECKING:
+    import torch
 
 WHERE = "trainer.engine_options"
 OPTIONS = f"$.{WHERE}.options"  # where EngineOptions.options come from
 DEADLINES = ("start_timeout_s", "request_timeout_s", "shutdown_timeout_s")  # every engine's
+LOCAL = (*DEADLINES, "dtype", "lora_rank", "max_loras")  # what the "local" engine takes too
+
+Dtype = Literal["auto", "float32", "bfloat16", "float16"]
+Precision = Literal["float32", "bfloat16", "float16"]
 
 
 class EngineOptions(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):
     """``[trainer.engine_options]``: settings of both vLLM engines; the deadlines
-    (``*_timeout_s``) bound every engine, the "local" one too (corun/engines/start.py)."""
+    (``*_timeout_s``) bound every engine, the "local" one too (corun/engines/start.py),
+    which also keeps its weights in ``dtype`` and takes LoRA adapters."""
 
     # Prompt + completion tokens; vLLM sizes its buffers by it (default: the model's).
     max_model_len: Annotated[int, msgspec.Meta(ge=1)] | None = None
@@ -22,6 +32,18 @@ class EngineOptions(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_
     kv_cache_gib: Annotated[int, msgspec.Meta(ge=1)] = 1
     max_num_seqs: Annotated[int, msgspec.Meta(ge=1)] = 256  # sequences batched at once
     seed: int = 0  # vLLM's own seed (every request also carries its own)
+    # The precision of the engine's weights (the trainer keeps float32 master weights):
+    # "auto" is bfloat16 where CUDA is available, float32 on CPU (resolved_dtype).
+    dtype: Dtype = "auto"
+    # vLLM: eager PyTorch (true) or captured CUDA graphs (false); unset: eager on CPU,
+    # graphs on GPU (eager).
+    enforce_eager: bool | None = None
+    # LoRA, set by the trainer from [trainer.lora]: the adapters' rank (unset: no LoRA;
+    # vLLM is then built without LoRA support), and how many adapter versions vLLM keeps
+    # loaded — at least loop.max_staleness + 1, so every generation still running
+    # finishes on the adapter it started with.
+    lora_rank: Annotated[int, msgspec.Meta(ge=1)] | None = None
+    max_loras: Annotated[int, msgspec.Meta(ge=1)] = 2
     # More vllm.LLM keyword arguments (in process) or api_server flags (server: the key
     # with "-" for "_"), e.g. {enable_prefix_caching = false}; a wrong one is exit 2.
     options: dict[str, Any] = msgspec.field(default_factory=dict)
@@ -38,3 +60,44 @@ class VLLMConfig(EngineOptions, frozen=True, forbid_unknown_fields=True, kw_only
     safetensors, tokenizer)."""
 
     model: str
+
+
+def _cuda() -> bool:
+    import torch
+
+    return bool(torch.cuda.is_available())
+
+
+def resolved_dtype(options: EngineOptions) -> Precision:
+    """The engine's precision: ``options.dtype``, with "auto" resolved by the device.
+
+    bfloat16 on a GPU: half the memory and bandwidth of float32 at full tensor-core
+    speed, and float32's exponent range, so sampling needs no loss-scaling tricks; the
+    trainer's float32 master weights are rounded to it at each sync (fingerprints
+    compare them rounded: :func:`engine_dtype`). float32 on CPU: CPUs gain little from
+    bfloat16 (vLLM's CPU bfloat16 kernels need AVX512-BF16 or AMX), and float32 keeps
+    the behaviour log-probs equal to the trainer's float32 recomputation (within 1e-6;
+    bfloat16 is off by ~1e-2), which is what the CPU tests check.
+    """
+    if options.dtype != "auto":
+        return options.dtype
+    return "bfloat16" if _cuda() else "float32"
+
+
+def engine_dtype(options: EngineOptions) -> torch.dtype:
+    """The torch dtype of the engine's floating-point weights: what a fingerprint of
+    the trained state rounds to (``weights_fingerprint(state, dtype=...)``) so that it
+    equals the engine's, which holds the weights in this precision."""
+    import torch
+
+    dtype: torch.dtype = getattr(torch, resolved_dtype(options))
+    return dtype
+
+
+def eager(options: EngineOptions) -> bool:
+    """vLLM's ``enforce_eager``: as set, else eager on CPU (vLLM's CPU graph mode is
+    torch.compile, minutes of compiling for a small gain) and CUDA graphs on a GPU (a
+    decode step is many small kernels: graphs launch them at once)."""
+    if options.enforce_eager is not None:
+        return options.enforce_eager
+    return not _cuda()

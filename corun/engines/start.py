@@ -28,7 +28,7 @@ from corun.base.errors import ConfigError
 from corun.contract.engine import Engine
 from corun.contract.trainer import SetupContext
 from corun.engines.decode import CausalLM
-from corun.engines.options import DEADLINES, WHERE, EngineOptions, VLLMConfig
+from corun.engines.options import LOCAL, WHERE, EngineOptions, VLLMConfig, engine_dtype
 from corun.execution.compute import Lane
 from corun.execution.cores import side_by_side
 from corun.loop.deadlines import BoundedEngine, deadline
@@ -52,7 +52,7 @@ def check_engine(kind: EngineKind, options: EngineOptions, interrupt: bool) -> N
     if kind == "local":
         default = EngineOptions()
         for name in options.__struct_fields__:
-            if name not in DEADLINES and getattr(options, name) != getattr(default, name):
+            if name not in LOCAL and getattr(options, name) != getattr(default, name):
                 raise ConfigError(
                     f'`$.trainer.engine_options.{name}`: the "local" engine has no such option '
                     '(it applies to "vllm" and "vllm-server")'
@@ -103,7 +103,10 @@ async def _start(
         share = side_by_side(ctx.config)
         lane = ctx.lane if shared else Lane("engine", loop.compute, loop.lane_threads, share)
         assert lane is not None
-        return TransformersEngine(policy, pad_id, lane, owns_lane=not shared, interrupt=interrupt)
+        return TransformersEngine(
+            policy, pad_id, lane, owns_lane=not shared, interrupt=interrupt,
+            dtype=engine_dtype(options),
+        )  # fmt: skip
     settings = VLLMConfig(model=str(policy.source), **_fields(options))
     if kind == "vllm":
         from corun.engines.vllm_engine import VLLMEngine

@@ -11,8 +11,19 @@ behind running generations lets them finish on their weights ("drain"); with
 rollout), and the sync does not wait for generations at all.
 
 Its fingerprint (corun/engines/fingerprint.py) is of what a generation started now
-would use: its model's state, or, with ``interrupt``, the weights published and not yet
-picked up (the engine's own snapshot of them, which is what it will load).
+would use: its model's state, or, with ``interrupt``, that state with the weights
+published and not yet picked up in place of its own (the engine's snapshot of them,
+which is what it will load).
+
+Precision: the copy keeps its floating-point weights in the engine's dtype
+(``[trainer.engine_options] dtype``), whatever the trainer's; loading rounds the
+trained weights to it.
+
+LoRA (``[trainer.lora]``): the trainer's model carries peft's injected LoRA layers, and
+so does the engine's copy; :meth:`TransformersEngine.update_adapter` copies an
+adapter's tensors into those layers (corun/engines/lora.py maps the names), with the
+same drain or interrupt semantics as a weight update. The fingerprint stays that of
+the whole state (base and adapter), as the trainer's state dict holds it.
 """
 
 from __future__ import annotations
@@ -20,36 +31,55 @@ from __future__ import annotations
 import copy
 import threading
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 
 import anyio
 import torch
 from torch import Tensor
 
-from corun.contract.engine import EngineError, Generation, Sampling
+from corun.contract.engine import Adapter, EngineError, Generation, Sampling
 from corun.engines import decode
 from corun.engines.fingerprint import weights_fingerprint
+from corun.engines.lora import adapter_parameters, parameter_name
 from corun.execution.compute import Lane, blocking_io
+
+
+@dataclass(frozen=True)
+class _Update:
+    """Weights to load as ``version``: a whole state dict, or (``partial``) an adapter's
+    tensors under the model's parameter names."""
+
+    version: int
+    tensors: Mapping[str, Tensor]
+    partial: bool = False
 
 
 class TransformersEngine:
     """Samples from its own copy of ``policy.model``, the model it decodes (it is a
-    :class:`decode.CausalLM` itself)."""
+    :class:`decode.CausalLM` itself), its floating-point weights in ``dtype`` (default:
+    the policy's)."""
 
     def __init__(
         self, policy: decode.CausalLM, pad_id: int, lane: Lane, *, owns_lane: bool,
-        interrupt: bool,
+        interrupt: bool, dtype: torch.dtype | None = None,
     ) -> None:  # fmt: skip
         self.model = copy.deepcopy(policy.model).eval()
         for parameter in self.model.parameters():
             parameter.requires_grad_(False)
+        if dtype is not None:
+            _cast(self.model, dtype)
+        self.dtype = dtype
+        state = self.model.state_dict()
+        # The injected LoRA layers' parameters and shapes: what an adapter must fill.
+        self._adapter_shapes = {name: state[name].shape for name in adapter_parameters(state)}
         self.pad_id = pad_id
         self.lane = lane
         self._owns_lane = owns_lane
         self._interrupt = interrupt
         self._version = 0
         self._lock = threading.Lock()
-        self._pending: tuple[int, dict[str, Tensor]] | None = None
-        self._loading: tuple[int, dict[str, Tensor]] | None = None  # taken, being loaded
+        self._pending: _Update | None = None
+        self._loading: _Update | None = None  # taken, being loaded
         self._resumed = anyio.Event()
         self._resumed.set()
         self._closed = False
@@ -85,25 +115,63 @@ class TransformersEngine:
             self._loading = pending
         if pending is not None:
             try:
-                self._load(*pending)
+                self._load(pending)
             finally:
                 with self._lock:
                     self._loading = None
         return self._version
 
-    def _load(self, version: int, state: Mapping[str, Tensor]) -> None:
+    def _load(self, update: _Update) -> None:
         with torch.no_grad():
-            self.model.load_state_dict(state)
-        self._version = version
+            self.model.load_state_dict(update.tensors, strict=not update.partial)
+        self._version = update.version
 
     async def update_weights(self, state: Mapping[str, Tensor], version: int) -> None:
+        await self._publish(_Update(version, state))
+
+    async def update_adapter(self, adapter: Adapter, version: int) -> None:
+        """Copy ``adapter``'s tensors into the model's injected LoRA layers as policy
+        ``version`` (a tensor the model has no place for, or a LoRA parameter the
+        adapter lacks, is an :class:`EngineError` naming it; nothing is loaded then)."""
+        await self._publish(_Update(version, self._adapter_state(adapter), partial=True))
+
+    async def _publish(self, update: _Update) -> None:
         if self._interrupt:
             # A snapshot: the trainer goes on changing its weights after this returns.
-            snapshot = _snapshot(state)
+            snapshot = _Update(
+                update.version, _snapshot(update.tensors, self.dtype), update.partial
+            )
             with self._lock:
-                self._pending = (version, snapshot)
+                self._pending = snapshot
             return
-        await self.lane.run(self._load, version, state)
+        await self.lane.run(self._load, update)
+
+    def _adapter_state(self, adapter: Adapter) -> dict[str, Tensor]:
+        """The adapter's tensors under the model's names, checked against its layers."""
+        shapes = self._adapter_shapes
+        if not shapes:
+            raise EngineError(
+                "the transformers engine's model has no LoRA layers (the trainer's model "
+                "has no peft adapter injected)"
+            )
+        state = {}
+        for name, tensor in adapter.tensors.items():
+            try:
+                target = parameter_name(name)
+            except ValueError as exc:
+                raise EngineError(f"adapter tensor {exc}") from None
+            if target not in shapes:
+                raise EngineError(f"adapter tensor {name!r}: the model has no {target!r}")
+            if tensor.shape != shapes[target]:
+                raise EngineError(
+                    f"adapter tensor {name!r}: shape {list(tensor.shape)}, the model's "
+                    f"{target!r} has {list(shapes[target])}"
+                )
+            state[target] = tensor
+        missing = sorted(shapes.keys() - state.keys())
+        if missing:
+            raise EngineError(f"the adapter has no tensor for the model's {missing[0]!r}")
+        return state
 
     async def fingerprint(self) -> str:
         # In a worker thread (inline in inline mode): it only reads, and a large model
@@ -113,10 +181,11 @@ class TransformersEngine:
     def _fingerprint(self) -> str:
         with self._lock:
             published = self._pending or self._loading
-        if published is not None:  # what the next decode step loads
-            return weights_fingerprint(published[1].values())
-        # No update is in flight (syncs do not overlap): the model stays as it is.
-        return weights_fingerprint(self.model.state_dict().values())
+        state = self.model.state_dict()
+        if published is not None:  # what the next decode step loads, in place of its own
+            # No update is in flight but this one (syncs do not overlap).
+            state = {**state, **published.tensors}
+        return weights_fingerprint(state.values())
 
     async def pause(self) -> None:
         self._resumed = anyio.Event()
@@ -135,15 +204,32 @@ class TransformersEngine:
             self.lane.close()
 
 
-def _snapshot(state: Mapping[str, Tensor]) -> dict[str, Tensor]:
-    """A copy of ``state`` in which tensors that shared storage still share it (tied
-    weights stay one tensor, as in the model)."""
+def _cast(model: torch.nn.Module, dtype: torch.dtype) -> None:
+    """The model's floating-point parameters, and buffers in its state dict, in
+    ``dtype`` (tied parameters stay one; buffers outside the state dict, such as rotary
+    frequencies, keep their precision, as vLLM's do)."""
+    persistent = set(model.state_dict(keep_vars=True))
+    for parameter in model.parameters():
+        if parameter.is_floating_point():
+            parameter.data = parameter.data.to(dtype)
+    for module_name, module in model.named_modules():
+        for name, buffer in list(module.named_buffers(recurse=False)):
+            key = f"{module_name}.{name}" if module_name else name
+            if buffer.is_floating_point() and key in persistent:
+                module.register_buffer(name, buffer.to(dtype))
+
+
+def _snapshot(state: Mapping[str, Tensor], dtype: torch.dtype | None) -> dict[str, Tensor]:
+    """A copy of ``state``, floating-point tensors in ``dtype`` (if given: what loading
+    rounds them to), in which tensors that shared storage still share it (tied weights
+    stay one tensor, as in the model)."""
     copies: dict[tuple[object, ...], Tensor] = {}
     out = {}
     for key, value in state.items():
         value = value.detach()
         ident = (value.device, value.dtype, value.data_ptr(), value.shape, value.stride())
         if ident not in copies:
-            copies[ident] = value.clone()
+            cast = dtype is not None and value.is_floating_point()
+            copies[ident] = value.to(dtype, copy=True) if cast else value.clone()
         out[key] = copies[ident]
     return out

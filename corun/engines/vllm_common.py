@@ -1,22 +1,52 @@
 """What the two vLLM engines share (vllm_engine.py in process, vllm_server.py a server
-child) besides their settings (options.py): the sampling fields and top log-probs,
-admission around weight updates, and the mapping of vLLM's failures to one-line errors
-that name the setting to blame."""
+child) besides their settings (options.py): the vLLM settings corun derives from them
+(precision, graph mode, LoRA), the sampling fields and top log-probs, admission around
+weight updates, the adapter versions an engine keeps loaded, and the mapping of vLLM's
+failures to one-line errors that name the setting to blame."""
 
 from __future__ import annotations
 
+import itertools
 import re
+import shutil
 import signal
-from collections.abc import AsyncIterator, Iterable, Mapping
-from contextlib import asynccontextmanager
+import tempfile
+from collections.abc import AsyncIterator, Iterable, Iterator, Mapping
+from contextlib import asynccontextmanager, contextmanager
+from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import anyio
 
 from corun.base.errors import ConfigError
 from corun.base.rng import stable_seed
-from corun.contract.engine import Sampling
-from corun.engines.options import OPTIONS, VLLMConfig
+from corun.contract.engine import Adapter, Sampling
+from corun.engines.lora import write_adapter
+from corun.engines.options import OPTIONS, WHERE, VLLMConfig, eager, resolved_dtype
+
+# vLLM's max_lora_rank takes these (vllm.config.lora.MaxLoRARanks, vLLM 0.32).
+LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
+
+
+def engine_settings(config: VLLMConfig) -> dict[str, Any]:
+    """vLLM's settings corun derives from ``config`` (``vllm.LLM`` keywords; the server
+    passes them as flags): precision, graph mode, and LoRA when adapters are in use —
+    ``max_loras`` adapters in a batch, one more in the worker's cache, so loading the
+    newest never evicts one that a running generation uses."""
+    settings: dict[str, Any] = {"dtype": resolved_dtype(config), "enforce_eager": eager(config)}
+    if config.lora_rank is not None:
+        rank = next((r for r in LORA_RANKS if r >= config.lora_rank), None)
+        if rank is None:
+            raise ConfigError(
+                f"`$.{WHERE}.lora_rank` = {config.lora_rank}: vLLM takes LoRA ranks up to "
+                f"{LORA_RANKS[-1]}"
+            )
+        settings |= {
+            "enable_lora": True, "max_lora_rank": rank, "max_loras": config.max_loras,
+            "max_cpu_loras": config.max_loras + 1,
+        }  # fmt: skip
+    return settings
 
 
 def request_seed(seed: int, index: int) -> int:
@@ -213,3 +243,72 @@ class DrainingEngine:
 
     async def resume(self) -> None:
         self._admission.resume()
+
+
+# ---- adapter versions
+
+
+@dataclass(eq=False)
+class LoadedAdapter:
+    """An adapter version written for vLLM (peft's layout, in ``path``) under vLLM's
+    name and int id, and how many running generations use it."""
+
+    version: int
+    name: str
+    ident: int
+    path: Path
+    users: int = 0
+
+
+class AdapterVersions:
+    """The adapter versions an engine has loaded into vLLM, oldest first: every new
+    generation uses the newest, a running one keeps the one it started with; at least
+    ``keep`` stay loaded, and an older one is evicted only once no generation uses it.
+    Their files live in a directory of the engine's own, removed by :meth:`close`."""
+
+    def __init__(self, keep: int) -> None:
+        self.keep = keep
+        self.loaded: list[LoadedAdapter] = []
+        self._ids = itertools.count(1)  # vLLM's lora_int_id: unique, positive
+        self._root: Path | None = None
+
+    @property
+    def newest(self) -> LoadedAdapter | None:
+        return self.loaded[-1] if self.loaded else None
+
+    def write(self, adapter: Adapter, version: int) -> LoadedAdapter:
+        """Blocking: ``adapter``'s files, under a new name and id (not yet loaded)."""
+        if self._root is None:
+            self._root = Path(tempfile.mkdtemp(prefix="corun-lora-"))
+        ident = next(self._ids)
+        entry = LoadedAdapter(version, f"corun-v{version}-{ident}", ident, self._root / str(ident))
+        write_adapter(adapter, entry.path)
+        return entry
+
+    @contextmanager
+    def using(self) -> Iterator[LoadedAdapter | None]:
+        """The newest adapter, held for one generation (None: none loaded)."""
+        entry = self.newest
+        if entry is not None:
+            entry.users += 1
+        try:
+            yield entry
+        finally:
+            if entry is not None:
+                entry.users -= 1
+
+    def evictable(self) -> list[LoadedAdapter]:
+        """Takes out of :attr:`loaded` (and returns) the versions older than the newest
+        ``keep`` that no generation uses: the engine unloads them, then :meth:`drop`."""
+        old = [entry for entry in self.loaded[: -self.keep] if entry.users == 0]
+        self.loaded = [entry for entry in self.loaded if entry not in old]
+        return old
+
+    @staticmethod
+    def drop(entry: LoadedAdapter) -> None:
+        shutil.rmtree(entry.path, ignore_errors=True)
+
+    def close(self) -> None:
+        self.loaded.clear()
+        if self._root is not None:
+            shutil.rmtree(self._root, ignore_errors=True)

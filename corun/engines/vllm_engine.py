@@ -46,6 +46,15 @@ usable; a failure while stepping fails every running call and marks the engine d
 failed weight reload leaves vLLM's model half-loaded, so the engine is marked dead and
 every later call raises :class:`EngineError` at once (``health()`` is false); its
 message names the tensor being loaded. Tests: tests/test_vllm.py.
+
+Precision and graph mode: ``[trainer.engine_options] dtype`` and ``enforce_eager``
+with their per-device defaults (options.py). LoRA (``lora_rank`` set): vLLM is built
+with LoRA support, and :meth:`VLLMEngine.update_adapter` writes each adapter version
+into the engine's own directory and loads it as a vLLM LoRA adapter on the lane,
+between two decode steps, without draining: every generation admitted from then on
+runs with it, one already running goes on with the one it started with (its tokens
+carry that version). ``max_loras`` versions stay loaded, an older one is unloaded once
+no generation uses it (vllm_common.AdapterVersions). Tests: tests/test_engine_adapters.py.
 """
 
 from __future__ import annotations
@@ -68,10 +77,13 @@ import torch
 from torch import Tensor
 
 from corun.base.errors import ConfigError
-from corun.contract.engine import EngineError, Finish, Generation, Sampling
+from corun.contract.engine import Adapter, EngineError, Finish, Generation, Sampling
 from corun.engines.options import OPTIONS, EngineOptions, VLLMConfig
 from corun.engines.vllm_common import (
+    AdapterVersions,
     DrainingEngine,
+    LoadedAdapter,
+    engine_settings,
     nucleus_args,
     one_line,
     rejected_options,
@@ -102,6 +114,7 @@ class VLLMEngine(DrainingEngine):
         self._inbox: list[_Batch] = []  # handed over, not yet added to vLLM
         self._unclaimed: set[_Batch] = set()  # settled, its caller not yet told
         self._requests: dict[str, tuple[_Batch, int]] = {}  # in vLLM (the lane's alone)
+        self._adapters = AdapterVersions(config.max_loras)
 
     @classmethod
     async def start(cls, config: VLLMConfig, lane: Lane | None = None) -> VLLMEngine:
@@ -150,8 +163,12 @@ class VLLMEngine(DrainingEngine):
         await anyio.lowlevel.checkpoint_if_cancelled()
         async with self._admission.generation():
             self._check()
-            version = self._version  # no update runs while a generation is admitted
-            batch = await self._run(_Batch([list(p) for p in prompts], sampling, seed))
+            with self._adapters.using() as adapter:  # the newest, to the end of the call
+                # No weight update runs while a generation is admitted; an adapter
+                # update changes the version only for generations admitted after it.
+                version = self._version
+                rows = [list(p) for p in prompts]
+                batch = await self._run(_Batch(rows, sampling, seed, _request(adapter)))
             if isinstance(batch.problem, _Failed):
                 raise self._die(f"vLLM failed while generating: {batch.problem.message}")
             if isinstance(batch.problem, _Rejected):
@@ -179,11 +196,42 @@ class VLLMEngine(DrainingEngine):
         finally:
             self._admission.resume()
 
+    async def update_adapter(self, adapter: Adapter, version: int) -> None:
+        """Load ``adapter`` into vLLM as policy ``version`` (without draining: see the
+        module's docstring), then unload the versions no longer kept. A refused
+        adapter is an :class:`EngineError`; the engine goes on serving the previous."""
+        self._check()
+        if self._config.lora_rank is None:
+            raise EngineError(
+                "the vLLM engine was built without LoRA support "
+                "(trainer.engine_options.lora_rank is unset)"
+            )
+        await anyio.lowlevel.checkpoint_if_cancelled()  # see generate
+        entry = await anyio.to_thread.run_sync(self._adapters.write, adapter, version)
+        try:
+            await self._lane.run(self._add_lora_blocking, entry)
+        except Exception as exc:
+            AdapterVersions.drop(entry)
+            raise EngineError(
+                f"vLLM refused the adapter for version {version}: {one_line(exc)}"
+            ) from None
+        self._adapters.loaded.append(entry)
+        self._version = version
+        old = self._adapters.evictable()
+        if old:
+            await self._lane.run(self._remove_loras_blocking, old)
+
     async def fingerprint(self) -> str:
-        """The fingerprint of the weights vLLM's worker holds (vllm_worker.py)."""
+        """The fingerprint of the weights vLLM's worker holds, with the newest adapter
+        as its LoRA manager loaded it (vllm_worker.py)."""
         self._check()
         await anyio.lowlevel.checkpoint_if_cancelled()  # see generate
-        return await self._lane.run(self._fingerprint_blocking)
+        newest = self._adapters.newest
+        directory = None if newest is None else str(newest.path)
+        try:
+            return await self._lane.run(self._fingerprint_blocking, directory)
+        except RuntimeError as exc:  # vLLM no longer holds the newest adapter
+            raise EngineError(f"vLLM weights fingerprint: {one_line(exc)}") from None
 
     async def health(self) -> bool:
         return self._dead is None
@@ -200,6 +248,7 @@ class VLLMEngine(DrainingEngine):
             finally:
                 if VLLMEngine._live is self:
                     VLLMEngine._live = None
+                await anyio.to_thread.run_sync(self._adapters.close)
                 if self._owns_lane:
                     await anyio.to_thread.run_sync(self._lane.close)
 
@@ -297,7 +346,8 @@ class VLLMEngine(DrainingEngine):
                 )  # fmt: skip
                 name = f"corun-{next(self._ids)}"
                 tokens = TokensPrompt(prompt_token_ids=prompt)
-                batch.internal.append(engine.add_request(name, tokens, params))
+                internal = engine.add_request(name, tokens, params, lora_request=batch.adapter)
+                batch.internal.append(internal)
                 batch.names.append(name)
                 self._requests[name] = (batch, i)
         except Exception as exc:  # vLLM's input checks: the call's requests never ran
@@ -349,10 +399,22 @@ class VLLMEngine(DrainingEngine):
         if not self._llm.reset_prefix_cache():
             raise RuntimeError("vLLM kept its prefix cache (requests still running)")
 
-    def _fingerprint_blocking(self) -> str:
+    def _fingerprint_blocking(self, adapter_dir: str | None) -> str:
         from corun.engines.vllm_worker import serving_fingerprint
 
-        return str(self._llm.collective_rpc(serving_fingerprint)[0])
+        return str(self._llm.collective_rpc(serving_fingerprint, args=(adapter_dir,))[0])
+
+    def _add_lora_blocking(self, entry: LoadedAdapter) -> None:
+        if self._llm is None:
+            raise RuntimeError("the engine was shut down")
+        if not self._llm.llm_engine.add_lora(_request(entry)):
+            raise RuntimeError(f"vLLM did not load {entry.path}")
+
+    def _remove_loras_blocking(self, entries: list[LoadedAdapter]) -> None:
+        for entry in entries:
+            if self._llm is not None:
+                self._llm.llm_engine.remove_lora(entry.ident)
+            AdapterVersions.drop(entry)
 
     def _teardown_blocking(self) -> None:
         llm, self._llm = self._llm, None
@@ -369,6 +431,7 @@ class _Batch:
     prompts: list[list[int]]
     sampling: Sampling
     seed: int
+    adapter: Any = None  # the vLLM LoRARequest its requests run with, if any
     names: list[str] = field(default_factory=list)  # vLLM's request ids
     internal: list[str] = field(default_factory=list)  # the same, as vLLM aborts them
     outputs: list[Any] = field(default_factory=list)  # vLLM's CompletionOutput per prompt
@@ -394,6 +457,15 @@ class _Failed(_Problem):
 
 class _Cancelled(_Problem):
     """The call's caller was cancelled; its requests were aborted."""
+
+
+def _request(entry: LoadedAdapter | None) -> Any:
+    """vLLM's LoRARequest for a loaded adapter version (None: the base weights)."""
+    if entry is None:
+        return None
+    from vllm.lora.request import LoRARequest
+
+    return LoRARequest(entry.name, entry.ident, str(entry.path))
 
 
 def _unpack(out: Any, version: int, sampling: Sampling) -> Generation:
@@ -429,7 +501,7 @@ def _build(config: VLLMConfig) -> Any:
     set_num_threads = torch.set_num_threads
     states = (random.getstate(), torch.get_rng_state(), _numpy_state())
     kwargs: dict[str, Any] = {
-        "model": config.model, "dtype": "float32", "enforce_eager": True,
+        "model": config.model, **engine_settings(config),
         "max_num_seqs": config.max_num_seqs,
         "seed": config.seed, "distributed_executor_backend": "uni",
         "logprobs_mode": "processed_logits", "logits_processors": [BehaviourLogprobs],

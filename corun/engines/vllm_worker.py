@@ -38,11 +38,29 @@ adds it to the sum of the parameters still held. Measured on the built-in tiny m
 equal to the fingerprint of the HF state dict after the start and after reloads (the
 fused q/k/v and gate/up weights, and the vocabulary padded from 341 to 384 rows with
 zeros, sum the same).
+
+Adapters (LoRA). vLLM's worker loads an adapter from its directory into its LoRA
+manager, then folds each layer's scaling (alpha / r) into its B matrix and packs the
+q/k/v and gate/up parts together, so the tensors it holds are not the adapter's. The
+sum of the A and B tensors vLLM's own loader produced — read from the file, in vLLM's
+LoRA dtype, before the scaling is folded in — is kept on the loaded adapter together
+with the directory it came from (:func:`record_adapter_loads`), as the repacked base
+weights' sums are. With an adapter, :func:`serving_fingerprint` adds that sum for the
+adapter loaded from the newest version's directory, if vLLM's manager holds one (an
+error otherwise). It proves that vLLM's manager holds, from that directory, an adapter
+whose values are the trainer's; not the scaling vLLM applies (alpha and r come from the
+adapter_config.json the engine wrote), nor the per-slot copies its kernels read.
+
+A CPU whose AMX tile state the kernel does not enable (a VM may hide it) still reports
+AMX to torch, and vLLM's bfloat16 CPU attention then dies of an illegal instruction:
+:func:`report_amx_truthfully` makes torch's report match what the process may use.
 """
 
 from __future__ import annotations
 
+import ctypes
 import os
+import platform
 import shutil
 import signal
 import sys
@@ -140,16 +158,91 @@ def record_packed_weights() -> None:
 record_packed_weights()  # before vLLM loads a model: both engines import this module first
 
 
-def serving_fingerprint(worker: Any) -> str:
-    """``llm.collective_rpc(serving_fingerprint)``: the fingerprint of the worker's
-    model, its repacked weights by the sums kept when they were repacked."""
+LOADED = "_corun_adapter"  # on a LoRAModel: (its directory, the bit sum of its tensors)
+
+
+def record_adapter_loads() -> None:
+    """Wrap vLLM's adapter loader (``LoRAModel.from_local_checkpoint``) to keep, on the
+    adapter it returns, its directory and the bit sum of its A and B tensors as loaded,
+    before vLLM folds the scaling into B. Idempotent; a vLLM without it needs none."""
+    from vllm.lora.lora_model import LoRAModel
+
+    method = LoRAModel.__dict__.get("from_local_checkpoint")
+    if not isinstance(method, classmethod) or getattr(method, "corun_records", False):
+        return
+    load = method.__func__
+
+    @wraps(load)
+    def recording(cls: type, lora_dir: str, *args: Any, **kwargs: Any) -> Any:
+        lora = load(cls, lora_dir, *args, **kwargs)
+        tensors: list[torch.Tensor] = []
+        for layer in lora.loras.values():
+            tensors += [t for t in (layer.lora_a, layer.lora_b) if isinstance(t, torch.Tensor)]
+        for full in lora.modules_to_save.values():
+            tensors += [t for t in (full.weight, full.bias) if t is not None]
+        setattr(lora, LOADED, (os.path.realpath(lora_dir), bits_sum(tensors)))
+        return lora
+
+    wrapper: classmethod[Any, ..., Any] = classmethod(recording)
+    wrapper.corun_records = True  # type: ignore[attr-defined]
+    LoRAModel.from_local_checkpoint = wrapper  # type: ignore[method-assign,assignment]
+
+
+def serving_fingerprint(worker: Any, adapter_dir: str | None = None) -> str:
+    """``llm.collective_rpc(serving_fingerprint, args=(adapter_dir,))``: the fingerprint
+    of the worker's model, its repacked weights by the sums kept when they were
+    repacked, plus the adapter vLLM loaded from ``adapter_dir`` if given (see above)."""
     model: torch.nn.Module = worker.model_runner.get_model()
     total = bits_sum(model.parameters())
     for module in model.modules():
         weight = getattr(module, "weight", None)
         if isinstance(weight, torch.Tensor) and weight.numel() == 0:
             total += getattr(module, PACKED, 0)
+    if adapter_dir is not None:
+        total += _adapter_bits(worker, os.path.realpath(adapter_dir))
     return format_fingerprint(total)
+
+
+def _adapter_bits(worker: Any, directory: str) -> int:
+    manager = worker.model_runner.lora_manager
+    for lora in manager._adapter_manager.list_adapters().values():
+        source, bits = getattr(lora, LOADED, (None, 0))
+        if source == directory:
+            return int(bits)
+    raise RuntimeError(f"vLLM's LoRA manager holds no adapter loaded from {directory}")
+
+
+# ---- AMX
+
+ARCH_PRCTL = 158  # x86-64 syscall number
+ARCH_GET_XCOMP_PERM, ARCH_REQ_XCOMP_PERM, XTILEDATA = 0x1024, 0x1023, 18  # asm/prctl.h
+
+
+def amx_permitted() -> bool:
+    """Whether the kernel lets this process use AMX tiles (asking for them, as oneDNN
+    does): not where the hypervisor leaves their state out (XTILEDATA). Elsewhere than
+    Linux on x86-64 torch's report stands."""
+    if platform.system() != "Linux" or platform.machine() != "x86_64":
+        return True
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.syscall(ARCH_PRCTL, ARCH_REQ_XCOMP_PERM, XTILEDATA)
+    mask = ctypes.c_ulong(0)
+    if libc.syscall(ARCH_PRCTL, ARCH_GET_XCOMP_PERM, ctypes.byref(mask)) != 0:
+        return False
+    return bool(mask.value >> XTILEDATA & 1)
+
+
+def report_amx_truthfully() -> None:
+    """torch reports AMX from the CPU's feature bits alone; where the process may not
+    use AMX, make ``torch.cpu._is_amx_tile_supported`` (what vLLM asks) say so."""
+    supported = getattr(torch.cpu, "_is_amx_tile_supported", None)
+    if supported is not None and supported() and not amx_permitted():
+        torch.cpu._is_amx_tile_supported = lambda: False
+
+
+# Before vLLM loads a model or an adapter: both engines import this module first.
+record_adapter_loads()
+report_amx_truthfully()
 
 
 def reload_state(worker: Any, state: dict[str, torch.Tensor]) -> None:
@@ -186,9 +279,10 @@ class WeightSync:
         reload_state(self, state)
         return len(state)
 
-    def corun_fingerprint(self) -> str:
-        """The fingerprint of the weights this worker serves (see above)."""
-        return serving_fingerprint(self)
+    def corun_fingerprint(self, adapter_dir: str | None = None) -> str:
+        """The fingerprint of the weights this worker serves, with the adapter loaded
+        from ``adapter_dir`` if given (see above)."""
+        return serving_fingerprint(self, adapter_dir)
 
 
 PARENT_ENV = "CORUN_VLLM_PARENT"  # the pid of the process the server must not outlive

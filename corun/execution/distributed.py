@@ -36,6 +36,7 @@ from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from datetime import timedelta
+from pathlib import Path
 from typing import Any, Protocol, runtime_checkable
 
 import msgspec
@@ -52,6 +53,8 @@ SUPPORTED = (
     "sft, grpo, ppo, agentic_sft, agentic, agentic_ppo, hf_sft, hf_grpo, hf_ppo, "
     "flow_pretrain, flow_grpo, pe_warmup, pe, unified_pretrain, unified"
 )
+# The kinds whose model shards (``shards_model = True``), for run.parallel = "fsdp".
+SHARDED = "hf_sft, hf_grpo, hf_ppo, hf_agentic_sft, hf_agentic, hf_agentic_ppo"
 _POLL_S = 0.0005  # how often a pending collective is checked (and a stop noticed)
 _PR_SET_PDEATHSIG = 1
 # How long a rank whose peer vanished waits for its own stop request before it calls
@@ -107,7 +110,28 @@ def init(timeout_s: float) -> World:
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
     dist.init_process_group(backend(), timeout=timedelta(seconds=timeout_s))
     _timeout_s[0] = timeout_s
+    # Checkpoint writes run in the background beside training: their collectives get a
+    # group of their own, so the two never interleave on one group.
+    _groups["checkpoint"] = dist.new_group(backend="gloo", timeout=timedelta(seconds=timeout_s))
     return world()
+
+
+def share_run_dir(path: Path) -> None:
+    """Record the run directory (rank 0's) for this rank's sharded checkpoint writes:
+    a rank's other records go to a scratch directory of its own."""
+    _groups["run_dir"] = path
+
+
+def shared_run_dir() -> Path | None:
+    """The run directory every rank writes its checkpoint shards into (None: this
+    process's own run directory)."""
+    found = _groups.get("run_dir")
+    return found if isinstance(found, Path) else None
+
+
+def checkpoint_group() -> Any:
+    """The process group of sharded checkpoint writes and reads (gloo, on every rank)."""
+    return _groups.get("checkpoint")
 
 
 def finish(clean: bool) -> None:
@@ -142,6 +166,11 @@ def check_supported(trainer: Any, config: Config, size: int) -> None:
         raise ConfigError(
             f"`$.data.batch_size` = {config.data.batch_size} does not split evenly over "
             f"{size} processes"
+        )
+    if config.run.parallel == "fsdp" and not getattr(trainer, "shards_model", False):
+        raise ConfigError(
+            f'`$.run.parallel` = "fsdp": `$.trainer.kind` = {kind!r} does not shard its '
+            f'model; the hf kinds do ({SHARDED}) — use run.parallel = "ddp"'
         )
     if config.loop.concurrency > 1:
         raise ConfigError(
@@ -217,6 +246,7 @@ def sharded(dataset: Any, w: World | None = None) -> Any:
 # ----------------------------------------------------------------------------- collectives
 
 _timeout_s = [300.0]
+_groups: dict[str, Any] = {}
 _local = threading.local()
 
 

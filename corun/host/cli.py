@@ -181,6 +181,7 @@ def _rank_main(config: Config, serve_only: bool) -> int:
     try:
         trainer = resolve_trainer(config.trainer.kind)(config)
         distributed.check_supported(trainer, config, world.size)
+        distributed.share_run_dir(config.run_dir)  # where every rank writes its shards
         if not world.writes:
             scratch = _scratch_dir(world.rank)
             config = _rank_config(config, scratch)

@@ -13,6 +13,8 @@ ones (the window's gradients are not state).
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable
+from functools import partial
+from pathlib import Path
 from typing import Any
 
 import anyio
@@ -27,7 +29,7 @@ from corun.loop.cadence import Cadence
 from corun.loop.clock import Clock
 from corun.loop.kept_rollouts import KeptRollouts
 from corun.loop.teardown import RunControl
-from corun.records import checkpoint
+from corun.records import checkpoint, shards
 from corun.records.events import EventLog, Trace
 
 
@@ -38,7 +40,8 @@ class Checkpointer:
     ) -> None:  # fmt: skip
         self.config = config
         self.cadence = Cadence.of(config)
-        self.run_dir = config.run_dir
+        # Under torchrun every rank's shards go to rank 0's run directory.
+        self.run_dir = distributed.shared_run_dir() or config.run_dir
         self.run_id = run_id
         self.clock = clock
         self.events = events
@@ -51,9 +54,11 @@ class Checkpointer:
         self.rollouts = KeptRollouts(config, clock, events)
         self.last_saved = clock.step if resumed else -1
         self.error: BaseException | None = None
-        # Under torchrun the state is replicated: rank 0's is the whole state, and only
-        # rank 0 writes it (a checkpoint that loads at any world size).
+        # Under torchrun rank 0 writes the checkpoint; a state that holds shards
+        # (a sharded model's) has every rank write its own shards too
+        # (corun/records/shards.py). A replicated state is rank 0's alone.
         self.writes = distributed.world().writes
+        self._sharded: bool | None = None  # known at the first save
         self._pending = 0
         self._done = anyio.Event()
         self._tasks: anyio.abc.TaskGroup | None = None
@@ -68,18 +73,35 @@ class Checkpointer:
     ) -> None:
         """Load a checkpoint's tensors into the set-up trainer (its kept components and
         kept rollout batches too); refused with one line if they do not fit."""
+        where = checkpoint.resume_point(self.config)
+        assert where is not None
         try:
-            await call_hook(self.lane, self.trainer.load_state_dict, tensors["trainer"])
+            saved = await self.lane.run(self._fitted, tensors, where)
+            await call_hook(self.lane, self.trainer.load_state_dict, saved["trainer"])
             for name, component in self.kept.items():
-                component.load_state_dict(tensors.get("kept", {})[name])
+                component.load_state_dict(saved["kept"][name])
             checkpoint.check_optimizers(spec.optimizer for spec in optimizers)
+        except CheckpointError:
+            raise
         except Exception as exc:  # torch raises many types for tensors that do not fit
-            where = checkpoint.resume_point(self.config)
             raise CheckpointError(f"{where}: does not fit this trainer: {exc}") from None
         if state.config_digest != self.config.digest():
             self.events.emit("config_changed", state.step, was=state.config_digest)
         self.events.emit("restore", state.step, version=state.version, cursor=state.data_cursor)
         self.rollouts.restore(tensors.get("rollouts"), state.step)
+
+    def _fitted(self, tensors: Any, path: Path) -> dict[str, Any]:
+        """The saved trainer and kept state laid out as this run holds its own: sharded
+        tensors read into this rank's shards, whole ones cut to them (blocking; every
+        rank calls it)."""
+        saved = {"trainer": tensors["trainer"], "kept": tensors.get("kept", {})}
+        template = (
+            self.state() if distributed.world().parallel or shards.has_sharded(saved) else None
+        )
+        if template is None:
+            return saved
+        saved = shards.fill(saved, template, path / shards.SHARDS_DIR)
+        return dict(shards.localize(saved, template))
 
     def state(self) -> dict[str, Any]:
         """What a checkpoint holds (live references; a save snapshots them)."""
@@ -94,9 +116,13 @@ class Checkpointer:
     async def save(self) -> None:
         """Snapshot now (the weights keep training), write in the background."""
         assert self._tasks is not None, "attach() the checkpointer to a task group first"
-        if not self.writes:
+        if self._sharded is None:
+            self._sharded = await self.lane.run(lambda: shards.has_sharded(self.state()))
+        if not (self.writes or self._sharded):
             self.last_saved = self.clock.step
             return
+        if self._sharded:  # every rank writes its shards in the same order: one at a time
+            await self.drain()
         kept = self.rollouts.saved()  # here, on the loop: the producer adds to the ledger
         with self.trace.span("snapshot", "trainer"):
             tensors = await self.lane.run(_snapshot, self.state, kept)
@@ -143,10 +169,13 @@ class Checkpointer:
                 # File I/O off the loop (or inline, in inline mode).
                 mode, keep = self.config.loop.compute, self.config.checkpoint.keep
                 path = await blocking_io(
-                    mode, checkpoint.write, self.run_dir, state.step, tensors, state
-                )
-                await blocking_io(mode, checkpoint.prune, self.run_dir, keep)
-            self.events.emit("checkpoint_written", state.step, path=str(path))
+                    mode, partial(checkpoint.write, writes=self.writes),
+                    self.run_dir, state.step, tensors, state,
+                )  # fmt: skip
+                if path is not None:
+                    await blocking_io(mode, checkpoint.prune, self.run_dir, keep)
+            if path is not None:
+                self.events.emit("checkpoint_written", state.step, path=str(path))
         except OSError as exc:  # disk full, I/O error: say what survives
             failed = await blocking_io(
                 self.config.loop.compute, checkpoint.write_failed, self.run_dir, state.step, exc

@@ -29,7 +29,7 @@ from contextlib import contextmanager
 import anyio
 from torch import Tensor
 
-from corun.contract.engine import Engine, EngineError, Generation, Sampling
+from corun.contract.engine import Adapter, AdapterEngine, Engine, EngineError, Generation, Sampling
 from corun.execution.compute import ABANDON_GRACE_S, abandoning
 
 
@@ -52,7 +52,8 @@ def deadline(what: str, timeout_s: float, setting: str) -> Iterator[None]:
 
 class BoundedEngine:
     """An :class:`Engine` whose every call has a deadline: ``generate``, ``pause``,
-    ``update_weights`` and ``fingerprint`` ``request_timeout_s``, ``shutdown``
+    ``update_weights``, ``update_adapter`` (an :class:`EngineError` if the engine takes
+    no adapters) and ``fingerprint`` ``request_timeout_s``, ``shutdown``
     ``shutdown_timeout_s``.
 
     An engine that overran a deadline, or whose weight update was cut short (its
@@ -96,6 +97,20 @@ class BoundedEngine:
         finally:
             if not done and self.dead is None:
                 self.dead = f"its weight update to version {version} did not complete"
+
+    async def update_adapter(self, adapter: Adapter, version: int) -> None:
+        inner = self._live()
+        if not isinstance(inner, AdapterEngine):
+            raise EngineError(f"{self.name} takes no LoRA adapters")
+        try:
+            with self._request(f"adapter update to version {version}"):
+                await inner.update_adapter(adapter, version)
+        except EngineError:  # the engine's own failure: it knows whether it is usable
+            raise
+        except BaseException:  # cut short: what it serves is unknown
+            if self.dead is None:
+                self.dead = f"its adapter update to version {version} did not complete"
+            raise
 
     async def fingerprint(self) -> str:
         with self._request("weights fingerprint"):

@@ -12,8 +12,10 @@ One owner for what every gradient trainer would otherwise write again:
 - before each step every registered optimizer's gradients are clipped to its
   ``grad_clip`` (global norm);
 - under torchrun (world size > 1) each rank backpropagates its shard of the batch and
-  the gradients are averaged over the ranks before clipping (DDP's semantics, one
-  all-reduce per step; corun/execution/distributed.py), and the step's metrics are averaged
+  the gradients are averaged over the ranks before clipping (DDP's semantics): by
+  FSDP2 in backward for a model ``parallelize``d (corun/execution/parallel.py; its
+  norm is the global one over every shard), by one flattened all-reduce per step for
+  plain parameters (corun/execution/distributed.py); the step's metrics are averaged
   over the ranks, so every rank applies the same update and logs the same values.
 
 Work happens as early as the weights allow: mini-batch 0 of a batch is backpropagated
@@ -40,7 +42,7 @@ import torch
 from corun.base.config import Config
 from corun.base.rng import update_generator
 from corun.contract.trainer import DEFAULT_OPTIMIZER, Batch, OptimizerSpec, Part, Trainer, overrides
-from corun.execution import distributed
+from corun.execution import distributed, parallel
 from corun.execution.compute import cancel_point
 
 
@@ -133,11 +135,13 @@ class Updater:
     def _step(self) -> dict[str, float]:
         """Clip each optimizer's gradients, step it; the norms before clipping."""
         if self.world.parallel:  # every rank steps on the mean of the ranks' gradients
-            distributed.average_gradients([p for spec in self.optimizers for p in spec.params])
+            params = [p for spec in self.optimizers for p in spec.params]
+            # Sharded (FSDP2) parameters came averaged out of backward; the rest by hand.
+            distributed.average_gradients([p for p in params if not parallel.is_dtensor(p)])
         norms = {}
         for spec in self.optimizers:
             limit = spec.grad_clip if spec.grad_clip > 0 else float("inf")
-            norms[spec.name] = float(torch.nn.utils.clip_grad_norm_(spec.params, limit))
+            norms[spec.name] = parallel.clip_grad_norm(spec.params, limit)
             spec.optimizer.step()
         return norms
 

@@ -2,10 +2,13 @@
 
 A checkpoint is written under a temporary name and renamed into place after every
 file is flushed to disk, so a crash mid-write never leaves a directory that looks
-complete. It holds the trainer's tensors (``trainer.pt``: ``{"trainer": its
-state_dict, "kept": runtime-side components}``, and with ``checkpoint.keep_rollouts``
-``"rollouts"``: the finished, untrained batches, corun/loop/kept_rollouts.py; loaded with
-``weights_only=True``: no arbitrary objects are unpickled) and a small typed state
+complete. Under torchrun with a sharded model (``run.parallel = "fsdp"``) every
+rank writes its shards into the same temporary directory (``shards/``,
+corun/records/shards.py) and rank 0 renames it once all have. It holds the trainer's
+tensors (``trainer.pt``: ``{"trainer": its state_dict, "kept": runtime-side
+components}``, and with ``checkpoint.keep_rollouts`` ``"rollouts"``: the finished,
+untrained batches, corun/loop/kept_rollouts.py; loaded with ``weights_only=True``: no
+arbitrary objects are unpickled) and a small typed state
 (``state.json``): step, version, data cursor, run id, config digest, trainer kind. No
 RNG state: every draw after set-up comes from generators seeded by position
 (corun/base/rng.py).
@@ -25,11 +28,14 @@ import torch
 
 from corun.base.config import Config
 from corun.base.errors import CheckpointError, ConfigError
+from corun.execution import distributed
+from corun.records import shards
 
 CHECKPOINTS_DIR = "checkpoints"
 STATE_FILE = "state.json"
 TENSORS_FILE = "trainer.pt"
-FORMAT_VERSION = 3  # 1 held global RNG states and bare trainer tensors; 2 no kind
+# 1 held global RNG states and bare trainer tensors; 2 no kind; 3 no shards/ directory
+FORMAT_VERSION = 4
 _READABLE = (2, FORMAT_VERSION)
 _STEP_DIR = re.compile(r"^step-(\d+)$")
 
@@ -130,13 +136,23 @@ def resume_point(config: Config) -> Path | None:
 # ----------------------------------------------------------------------------- write / read
 
 
-def write(run_dir: Path, step: int, tensors: Any, state: TrainerState) -> Path:
-    """Write one checkpoint atomically (blocking; call it off the event loop)."""
+def write(
+    run_dir: Path, step: int, tensors: Any, state: TrainerState, *, writes: bool = True
+) -> Path | None:
+    """Write one checkpoint atomically (blocking; call it off the event loop). Sharded
+    tensors in ``tensors`` are written by every rank (each calls this; the others with
+    ``writes`` false), the rest and the rename by the rank that ``writes``."""
+    tensors, sharded = shards.split(tensors)
     root = checkpoints_dir(run_dir)
-    root.mkdir(parents=True, exist_ok=True)
-    tmp = root / f".tmp-step-{step}-{os.getpid()}"
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir()
+    tmp = _temporary(run_dir, step)
+    if writes:  # before the shards' first collective: no rank has written yet
+        root.mkdir(parents=True, exist_ok=True)
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir()
+    if sharded:  # returns on rank 0 once every rank's shards are on disk
+        shards.save(sharded, tmp / shards.SHARDS_DIR)
+    if not writes:
+        return None
     with open(tmp / TENSORS_FILE, "wb") as f:
         try:
             torch.save(tensors, f)
@@ -156,6 +172,13 @@ def write(run_dir: Path, step: int, tensors: Any, state: TrainerState) -> Path:
     os.rename(tmp, final)
     _fsync_dir(root)
     return final
+
+
+def _temporary(run_dir: Path, step: int) -> Path:
+    """Where step ``step`` is written before its rename: a name every rank of this launch
+    agrees on (torchrun's run id), the process id outside torchrun."""
+    writer = os.environ.get("TORCHELASTIC_RUN_ID") if distributed.world().parallel else None
+    return checkpoints_dir(run_dir) / f".tmp-step-{step}-{writer or os.getpid()}"
 
 
 def _fsync_dir(path: Path) -> None:
@@ -201,6 +224,13 @@ def read(path: Path) -> tuple[TrainerState, Any]:
     return state, tensors
 
 
+def read_whole(path: Path) -> tuple[TrainerState, Any]:
+    """:func:`read`, with sharded tensors read whole (outside a run: a warm start, an
+    export; a run restores into its own shards instead)."""
+    state, tensors = read(path)
+    return state, shards.fill_whole(tensors, path / shards.SHARDS_DIR)
+
+
 def restore_point(config: Config) -> tuple[TrainerState, Any] | None:
     """The checkpoint this run resumes from, read and checked against the run's trainer
     kind (blocking); None for a fresh start."""
@@ -233,7 +263,7 @@ def write_failed(run_dir: Path, step: int, exc: OSError) -> WriteError:
     """The error of a failed write, once its partial files are gone and the previous
     checkpoint has been read back whole. Only this write's files: an earlier save may
     still be writing its own (writes run in the background and can overlap)."""
-    shutil.rmtree(checkpoints_dir(run_dir) / f".tmp-step-{step}-{os.getpid()}", ignore_errors=True)
+    shutil.rmtree(_temporary(run_dir, step), ignore_errors=True)
     why = exc.strerror or str(exc)
     previous = latest(run_dir)
     if previous is None:

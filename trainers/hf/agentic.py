@@ -34,6 +34,7 @@ from corun.agents.chat_runner import ChatEnvironment, Generate, run_chat_episode
 from corun.contract.engine import Generation, Sampling
 from corun.contract.episodes import Episode
 from corun.engines import decode
+from corun.execution import parallel
 from trainers.agentic import calculator
 from trainers.agentic.calculator import EnvSettings, Problem, Problems
 from trainers.agentic.policy import episode_metrics
@@ -170,8 +171,12 @@ async def evaluate_chat_agent(
 def greedy_decode(policy: HFPolicy, pad_id: int, ctx: RolloutContext) -> Generate:
     """Generation by the live policy itself (no engine): greedy, on ``ctx``'s lane."""
 
+    def whole(prompts: list[list[int]], sampling: Sampling) -> list[Generation]:
+        with parallel.gathered(policy):  # decoding enters the model past its hooks
+            return decode.generate(policy, prompts, sampling, None, pad_id)
+
     async def generate(prompts: list[list[int]], sampling: Sampling, seed: int) -> list[Generation]:
-        return await ctx.compute(decode.generate, policy, prompts, sampling, None, pad_id)
+        return await ctx.compute(whole, prompts, sampling)
 
     return generate
 

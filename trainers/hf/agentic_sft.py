@@ -20,14 +20,17 @@ import torch
 from corun import Batch, RolloutContext, SetupContext
 from corun.agents.chat_runner import teacher_episode
 from corun.contract.episodes import Episode
+from corun.execution.parallel import Precision
 from trainers.agentic import calculator
 from trainers.agentic.calculator import EnvSettings, Problem
 from trainers.agentic.sft import demonstration_problems
 from trainers.hf.agentic import calculator_envs, check_turn_tokens, evaluate_chat_agent
+from trainers.hf.lora import LoraSettings
 from trainers.hf.rl import chat_template, check_hf_config, max_len
 from trainers.hf.sft import HFSFTTrainer
 from trainers.hf.state import load_model
 from trainers.hf.tools import TOOLS, demonstration
+from trainers.hf.training import prepare_policy
 from trainers.lm.settings import PositiveInt
 from trainers.lm.sft import SFTConfig
 from trainers.lm.tasks import TokenBatch
@@ -45,6 +48,11 @@ class HFAgenticSFTConfig(SFTConfig, frozen=True, forbid_unknown_fields=True, kw_
     max_new_tokens: PositiveInt = 96
     env: EnvSettings = EnvSettings()
     eval_size: PositiveInt = 256
+    # How the policy trains (trainers/hf/training.py's ModelSettings): precision,
+    # activation checkpointing, [trainer.lora].
+    dtype: Precision = "float32"
+    activation_checkpointing: bool = False
+    lora: LoraSettings | None = None
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -78,6 +86,7 @@ class HFAgenticSFTTrainer(HFSFTTrainer):
         cfg = self.config
         self.train_lane = ctx.lane
         self.model, tokenizer = load_model(cfg.model, "", "`$.trainer.model`")
+        prepare_policy(self.model, cfg, self.run_config)
         self.template = chat_template(self.model, tokenizer, cfg)
         self.setup_optimizer(ctx)
         self.eval_problems = calculator.eval_problems(cfg.eval_size)

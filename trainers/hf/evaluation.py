@@ -8,6 +8,7 @@ import torch
 
 from corun.contract.engine import Sampling
 from corun.engines import decode
+from corun.execution import parallel
 from corun.execution.compute import Lane
 from trainers.hf.policy import ChatFormat, HFPolicy
 from trainers.hf.rewards import Rewards
@@ -26,9 +27,9 @@ async def evaluate(
 
     def replies() -> list[str]:
         prompts = [chat.encode(e.prompt) for e in examples]
-        return [
-            chat.decode(g.ids) for g in decode.generate(policy, prompts, greedy, None, chat.pad_id)
-        ]
+        with parallel.gathered(policy):  # decoding enters the model past its hooks
+            generated = decode.generate(policy, prompts, greedy, None, chat.pad_id)
+        return [chat.decode(g.ids) for g in generated]
 
     responses = replies() if lane is None else await lane.run(replies)
     scores = await rewards.score(

@@ -4,7 +4,8 @@ hidden size), prompts rendered with its chat template, and exported back to a
 ``save_pretrained`` directory.
 
 Nothing is downloaded: ``<dir>`` is a local directory (``python -m trainers.hf.tiny
-DIR`` builds one). Weights are trained in float32 whatever the checkpoint's dtype.
+DIR`` builds one). Weights are kept in float32 whatever the checkpoint's dtype (the
+master weights; trainers/hf/training.py sets the compute precision).
 Logits are ``lm_head(last hidden state)``, so models that post-process logits (soft
 capping, scaling) are refused rather than trained on different log-probs than they
 sample with.
@@ -76,7 +77,7 @@ class HFPolicy(nn.Module):
         lm_head = self.model.get_output_embeddings()
         assert lm_head is not None
         logits: Tensor = lm_head(hidden)
-        return logits
+        return logits.float()  # log-probs in float32 whatever the compute precision
 
     def forward(self, ids: Tensor, attention_mask: Tensor | None = None) -> Tensor:
         return self.head(self.hidden(ids, attention_mask))

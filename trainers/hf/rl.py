@@ -24,7 +24,7 @@ adds multi-turn tool episodes instead).
 from __future__ import annotations
 
 import time
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 import msgspec
 import torch
@@ -35,20 +35,29 @@ from corun.agents.chat import ChatTemplate, configured_stop_ids
 from corun.agents.served import EnginePolicy
 from corun.contract.engine import Engine, EngineError, Generation, Sampling
 from corun.engines.decode import left_pad
-from corun.engines.fingerprint import sync_verified, weights_fingerprint
+from corun.engines.fingerprint import (
+    MOD,
+    bits_sum,
+    format_fingerprint,
+    sync_verified,
+    weights_fingerprint,
+)
 from corun.engines.options import EngineOptions
 from corun.engines.start import EngineKind, check_engine, start_engine
+from corun.execution import parallel
 from trainers.hf.evaluation import evaluate
 from trainers.hf.policy import ChatFormat, HFPolicy
 from trainers.hf.rewards import Rewards
 from trainers.hf.state import hf_state, load_hf_state, load_model
 from trainers.hf.tasks import Example, WordProblems, eval_problems, prompt_batches, read_prompts
+from trainers.hf.training import ModelSettings, parallelize_policy, with_adapters
 from trainers.lm.engine import Rollouts
 from trainers.lm.grpo import GRPO, GRPOConfig
 from trainers.lm.policy_gradient import PolicyGradientTrainer, Scored
 from trainers.lm.ppo import PPO, PPOConfig
 from trainers.lm.settings import LMTrainerConfig, PositiveInt, with_settings
 from trainers.pg import fill_failed
+from trainers.weights import frozen_copy
 
 DEFAULT_REWARDS = {"numeric_match": 1.0}
 TaskName = Literal["word-problems"]
@@ -66,9 +75,9 @@ def check_hf_config(config: Any) -> None:
         check_engine(config.engine, config.engine_options, config.inflight_at_sync == "interrupt")
 
 
-class HFSettings(msgspec.Struct, frozen=True, kw_only=True):
+class HFSettings(ModelSettings, frozen=True, kw_only=True):
     """What an hf: policy adds to GRPO's and PPO's settings (keys of [trainer] itself;
-    with_settings builds the two configs)."""
+    with_settings builds the two configs), besides how it trains (ModelSettings)."""
 
     task: TaskName = "word-problems"  # data.path: a JSONL instead
     model: str  # "hf:<dir>": architecture, tokenizer, chat template (and weights, unless init_from)
@@ -77,6 +86,9 @@ class HFSettings(msgspec.Struct, frozen=True, kw_only=True):
     rewards: dict[str, float] = msgspec.field(default_factory=lambda: dict(DEFAULT_REWARDS))
     system_prompt: str = ""
     max_new_tokens: PositiveInt = 8
+    # A weight sync from a sharded policy (run.parallel = "fsdp") gathers at most this
+    # many bytes of whole tensors at once on its way to the engine.
+    sync_bucket_bytes: Annotated[int, msgspec.Meta(ge=1)] = 1 << 26
 
 
 HFGRPOConfig = with_settings("HFGRPOConfig", GRPOConfig, HFSettings, check_hf_config)
@@ -90,8 +102,11 @@ class HFRollouts(PolicyGradientTrainer[Any]):
 
     policy: HFPolicy
     engine: Engine
-    # Under torchrun each rank samples its shard's groups from its own local engine.
+    engine_source: HFPolicy | None = None
+    # Under torchrun each rank samples its shard's groups from its own local engine,
+    # and the policy may shard (run.parallel = "fsdp": trainers/hf/training.py).
     data_parallel = True
+    shards_model = True
 
     async def setup(self, ctx: SetupContext) -> None:
         cfg, loop = self.config, self.run_config.loop
@@ -108,10 +123,14 @@ class HFRollouts(PolicyGradientTrainer[Any]):
         self.train_lane = ctx.lane
         # The model, optimizer and task (blocking: loading weights) on the train lane.
         await _on(ctx, self.build, ctx)
+        # The engine copies the policy as it was before sharding (it samples from whole
+        # weights); a sync then streams it the gathered shards.
+        source, self.engine_source = self.engine_source or self.policy, None
         self.engine = await start_engine(
-            cfg.engine, cfg.engine_options, self.policy, self.chat.pad_id, ctx,
+            cfg.engine, cfg.engine_options, source, self.chat.pad_id, ctx,
             interrupt=cfg.inflight_at_sync == "interrupt", wrap=self.wrap_engine,
         )  # fmt: skip
+        del source
         # The fingerprint of each synced version's weights, as the engine reported them.
         self.fingerprints: dict[int, str] = {0: await self._started_weights()}
 
@@ -125,7 +144,12 @@ class HFRollouts(PolicyGradientTrainer[Any]):
         cfg = self.config
         policy, self.tokenizer = load_model(cfg.model, cfg.init_from, "`$.trainer.model`")
         self.chat = ChatFormat(self.tokenizer, cfg.system_prompt)
-        return policy
+        return with_adapters(policy, cfg, self.run_config)
+
+    def trained_policy(self, policy: HFPolicy) -> HFPolicy:
+        """Sharded over the ranks (a whole copy kept for the engine to start from)."""
+        self.engine_source = frozen_copy(policy) if world().parallel else None
+        return parallelize_policy(policy, self.config, self.run_config)
 
     def build(self, ctx: SetupContext) -> None:
         """The policy and what trains it, then the task's pieces."""
@@ -141,14 +165,41 @@ class HFRollouts(PolicyGradientTrainer[Any]):
 
     # ---- sync: verified by the engine's fingerprint
     async def sync_weights(self, version: int) -> str:
-        fingerprint = await sync_verified(self.engine, self.policy.weights(), version)
+        if parallel.is_sharded(self.policy):
+            fingerprint = await self._sync_shards(version)
+        else:
+            fingerprint = await sync_verified(self.engine, self.policy.weights(), version)
         self.fingerprints[version] = fingerprint
         return fingerprint
+
+    async def _sync_shards(self, version: int) -> str:
+        """Each rank's engine loads the whole weights, gathered from the shards a bucket
+        at a time as it reads them (every rank reads in the same order: collectives on
+        the train lane, which the engine shares at concurrency 1)."""
+        trained = await _on_lane(self.train_lane, self._trained_fingerprint)
+        gathered = parallel.GatheredState(self.policy.weights(), self.config.sync_bucket_bytes)
+        await self.engine.update_weights(gathered, version)
+        served = await self.engine.fingerprint()
+        if served != trained:
+            raise EngineError(
+                f"weight sync to version {version}: the engine serves weights {served}, "
+                f"not the trained {trained} (it did not reload them)"
+            )
+        return served
+
+    def _trained_fingerprint(self) -> str:
+        """The fingerprint of the policy's weights, summed over the shards of every rank
+        when sharded (a collective)."""
+        tensors = self.policy.weights().values()
+        if not parallel.is_sharded(self.policy):
+            return weights_fingerprint(tensors)
+        mine = [t for t in map(parallel.on_rank_zero_replica, tensors) if t is not None]
+        return format_fingerprint(parallel.world_sum(bits_sum(mine), MOD))
 
     async def _started_weights(self) -> str:
         """The fingerprint the started engine reports, checked against the policy's."""
         served = await self.engine.fingerprint()
-        trained = weights_fingerprint(self.policy.weights().values())
+        trained = await _on_lane(self.train_lane, self._trained_fingerprint)
         if served != trained:
             raise EngineError(
                 f"the engine started on weights {served}, not the policy's {trained} (version 0)"
@@ -174,10 +225,11 @@ class HFRollouts(PolicyGradientTrainer[Any]):
         return super().wandb_extra() | {"model/source": str(self.policy.source)}
 
     def state_dict(self) -> dict[str, Any]:
-        return hf_state(self.policy, self.optimizer, extra=self.modules_state())
+        return hf_state(self.policy, self.optimizer, self.extra_modules,
+                        extra=self.modules_state())  # fmt: skip
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        load_hf_state(state, self.policy, self.optimizer)
+        load_hf_state(state, self.policy, self.optimizer, self.extra_modules)
         self.load_modules_state(state)
 
 
@@ -270,7 +322,11 @@ def max_len(policy: HFPolicy, limit: int | None = None) -> int:
 
 
 async def _on(ctx: SetupContext, fn: Any, *args: Any) -> Any:
-    return fn(*args) if ctx.lane is None else await ctx.lane.run(fn, *args)
+    return await _on_lane(ctx.lane, fn, *args)
+
+
+async def _on_lane(lane: Lane | None, fn: Any, *args: Any) -> Any:
+    return fn(*args) if lane is None else await lane.run(fn, *args)
 
 
 def to_rollouts(prompts: list[list[int]], generations: list[Generation], pad_id: int) -> Rollouts:

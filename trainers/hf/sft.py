@@ -14,12 +14,15 @@ import msgspec
 import torch
 
 from corun import Batch, Dataset, RolloutContext, SetupContext
+from corun.execution.parallel import Precision
 from trainers.hf.evaluation import evaluate
+from trainers.hf.lora import LoraSettings
 from trainers.hf.policy import ChatFormat, HFPolicy
 from trainers.hf.rewards import Rewards
 from trainers.hf.rl import DEFAULT_REWARDS, TaskName, check_hf_config
 from trainers.hf.state import hf_state, load_hf_state, load_model
 from trainers.hf.tasks import Example, WordProblems, eval_problems, prompt_batches, read_prompts
+from trainers.hf.training import prepare_policy
 from trainers.lm.settings import PositiveInt
 from trainers.lm.sft import SFTConfig, SFTTrainer, masked_loss_sum
 from trainers.lm.tasks import TokenBatch, teacher_forcing
@@ -33,6 +36,11 @@ class HFSFTConfig(SFTConfig, frozen=True, forbid_unknown_fields=True, kw_only=Tr
     max_new_tokens: PositiveInt = 8
     rewards: dict[str, float] = msgspec.field(default_factory=lambda: dict(DEFAULT_REWARDS))
     eval_size: PositiveInt = 256
+    # How the policy trains (trainers/hf/training.py's ModelSettings): precision,
+    # activation checkpointing, [trainer.lora].
+    dtype: Precision = "float32"
+    activation_checkpointing: bool = False
+    lora: LoraSettings | None = None
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -43,11 +51,13 @@ class HFSFTTrainer(SFTTrainer):
     Config = HFSFTConfig  # type: ignore[assignment]
     config: HFSFTConfig  # type: ignore[assignment]
     model: HFPolicy  # type: ignore[assignment]
+    shards_model = True  # run.parallel = "fsdp" (trainers/hf/training.py)
 
     def setup(self, ctx: SetupContext) -> None:
         cfg = self.config
         self.train_lane = ctx.lane
         self.model, tokenizer = load_model(cfg.model, "", "`$.trainer.model`")
+        prepare_policy(self.model, cfg, self.run_config)
         self.chat = ChatFormat(tokenizer, cfg.system_prompt)
         self.rewards = Rewards(cfg.rewards, "`$.trainer.rewards`")
         self.setup_optimizer(ctx)

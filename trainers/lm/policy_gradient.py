@@ -181,16 +181,23 @@ class PolicyGradientTrainer(Trainer[C]):
         # Several optimizer steps per batch: the later ones need the proximal log-probs
         # computed before the first (prepare); with one, its own forward pass has them.
         self.later_mini_batches = ctx.config.loop.mini_batches > 1
-        self.policy = self.initial_policy()
-        self.reference = kl_anchor(self.policy, cfg.kl_coef)
+        policy = self.initial_policy()
+        self.reference = kl_anchor(policy, cfg.kl_coef)
+        self.policy = self.trained_policy(policy)
         self.extra_modules = self.algorithm.modules(self.policy)
-        params = [*self.policy.parameters(), *self.extra_parameters()]
+        trained = [p for p in self.policy.parameters() if p.requires_grad]  # not LoRA's base
+        params = [*trained, *self.extra_parameters()]
         self.optimizer = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=0.0)
         ctx.add_optimizer(self.optimizer, grad_clip=cfg.grad_clip)
 
     def initial_policy(self) -> TrainablePolicy:
         """The policy to start from: a warm start's, or a fresh one."""
         raise NotImplementedError
+
+    def trained_policy(self, policy: Any) -> Any:
+        """``policy`` (the reference has been copied from it) as the optimizer trains
+        it: sharded over the ranks, say (trainers/hf/rl.py)."""
+        return policy
 
     def extra_parameters(self) -> list[nn.Parameter]:
         return [p for module in self.extra_modules.values() for p in module.parameters()]

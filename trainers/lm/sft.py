@@ -89,9 +89,8 @@ class SFTTrainer(Trainer[SFTConfig]):
 
     def setup_optimizer(self, ctx: SetupContext) -> None:
         cfg = self.config
-        self.optimizer = torch.optim.AdamW(
-            self.model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay
-        )
+        trained = [p for p in self.model.parameters() if p.requires_grad]  # not LoRA's base
+        self.optimizer = torch.optim.AdamW(trained, lr=cfg.lr, weight_decay=cfg.weight_decay)
         ctx.add_optimizer(self.optimizer, grad_clip=cfg.grad_clip)
 
     def dataset(self) -> Dataset:
