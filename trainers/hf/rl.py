@@ -33,18 +33,12 @@ from torch import Tensor
 from corun import Batch, ConfigError, Dataset, Lane, RolloutContext, SetupContext, world
 from corun.agents.chat import ChatTemplate, configured_stop_ids
 from corun.agents.served import EnginePolicy
-from corun.contract.engine import Engine, EngineError, Generation, Sampling
+from corun.contract.engine import Engine, Generation, Sampling
 from corun.engines.decode import left_pad
-from corun.engines.fingerprint import (
-    MOD,
-    bits_sum,
-    format_fingerprint,
-    sync_verified,
-    weights_fingerprint,
-)
 from corun.engines.options import EngineOptions
 from corun.engines.start import EngineKind, check_engine, start_engine
 from corun.execution import parallel
+from trainers.hf import sync
 from trainers.hf.evaluation import evaluate
 from trainers.hf.policy import ChatFormat, HFPolicy
 from trainers.hf.rewards import Rewards
@@ -127,12 +121,14 @@ class HFRollouts(PolicyGradientTrainer[Any]):
         # weights); a sync then streams it the gathered shards.
         source, self.engine_source = self.engine_source or self.policy, None
         self.engine = await start_engine(
-            cfg.engine, cfg.engine_options, source, self.chat.pad_id, ctx,
-            interrupt=cfg.inflight_at_sync == "interrupt", wrap=self.wrap_engine,
+            cfg.engine, sync.engine_options(cfg, loop), sync.StartingPolicy(source),
+            self.chat.pad_id, ctx, interrupt=cfg.inflight_at_sync == "interrupt",
+            wrap=self.wrap_engine,
         )  # fmt: skip
         del source
         # The fingerprint of each synced version's weights, as the engine reported them.
-        self.fingerprints: dict[int, str] = {0: await self._started_weights()}
+        self.fingerprints: dict[int, str] = {}
+        self.fingerprints[0] = await self._started_weights()
 
     async def wrap_engine(self, engine: Engine) -> Engine:
         """The started engine as rollouts and syncs see it; a subclass may wrap it (to
@@ -163,48 +159,40 @@ class HFRollouts(PolicyGradientTrainer[Any]):
         """The model's chat template over OpenAI-shaped messages (with tools)."""
         return chat_template(self.policy, self.tokenizer, self.config)
 
-    # ---- sync: verified by the engine's fingerprint
+    # ---- sync: verified by the engine's fingerprint (trainers/hf/sync.py)
     async def sync_weights(self, version: int) -> str:
         if parallel.is_sharded(self.policy):
             fingerprint = await self._sync_shards(version)
         else:
-            fingerprint = await sync_verified(self.engine, self.policy.weights(), version)
+            mode = self.run_config.loop.compute
+            fingerprint = await sync.sync(self.engine, self.policy, self.config, version, mode)
         self.fingerprints[version] = fingerprint
         return fingerprint
 
     async def _sync_shards(self, version: int) -> str:
-        """Each rank's engine loads the whole weights, gathered from the shards a bucket
-        at a time as it reads them (every rank reads in the same order: collectives on
-        the train lane, which the engine shares at concurrency 1)."""
-        trained = await _on_lane(self.train_lane, self._trained_fingerprint)
-        gathered = parallel.GatheredState(self.policy.weights(), self.config.sync_bucket_bytes)
-        await self.engine.update_weights(gathered, version)
-        served = await self.engine.fingerprint()
-        if served != trained:
-            raise EngineError(
-                f"weight sync to version {version}: the engine serves weights {served}, "
-                f"not the trained {trained} (it did not reload them)"
-            )
-        return served
+        """Each rank's engine loads the whole weights (or adapter), gathered from the
+        shards as it reads them: collectives in the same order on every rank, on the
+        train lane (which the engine shares at concurrency 1)."""
+        trained, payload = await _on_lane(self.train_lane, self._gather)
+        await sync.send(self.engine, payload, version)
+        return sync.check_served(await self.engine.fingerprint(), trained, version)
 
-    def _trained_fingerprint(self) -> str:
-        """The fingerprint of the policy's weights, summed over the shards of every rank
-        when sharded (a collective)."""
-        tensors = self.policy.weights().values()
-        if not parallel.is_sharded(self.policy):
-            return weights_fingerprint(tensors)
-        mine = [t for t in map(parallel.on_rank_zero_replica, tensors) if t is not None]
-        return format_fingerprint(parallel.world_sum(bits_sum(mine), MOD))
+    def _gather(self) -> tuple[str, Any]:
+        return (
+            sync.trained_fingerprint(self.policy, self.config),
+            sync.sharded_payload(self.policy, self.config),
+        )
 
     async def _started_weights(self) -> str:
-        """The fingerprint the started engine reports, checked against the policy's."""
-        served = await self.engine.fingerprint()
-        trained = await _on_lane(self.train_lane, self._trained_fingerprint)
-        if served != trained:
-            raise EngineError(
-                f"the engine started on weights {served}, not the policy's {trained} (version 0)"
-            )
-        return served
+        """The fingerprint the started engine reports (after its first adapter, under
+        LoRA), checked against the policy's."""
+        if sync.takes_adapter(self.config):
+            await self.sync_weights(0)
+            return self.fingerprints[0]
+        trained = await _on_lane(
+            self.train_lane, sync.trained_fingerprint, self.policy, self.config
+        )
+        return sync.check_served(await self.engine.fingerprint(), trained, 0)
 
     def weights(self, version: int) -> str:
         """The fingerprint of the weights of ``version`` ("" when not synced in this run)."""
