@@ -165,11 +165,14 @@ def _assert_same(got: Path, expected: Path, exact: bool = False) -> None:
             torch.testing.assert_close(_weights(got, STEPS)[name], tensor, **WEIGHT_TOLERANCE)
 
 
-async def _one_process(kind: str, run_dir: Path, kinds: Kinds | None = None) -> None:
+async def _one_process(
+    kind: str, run_dir: Path, kinds: Kinds | None = None, loop: dict[str, Any] | None = None
+) -> None:
     cls, trainer = (kinds or KINDS)[kind]
     tables = _tables(trainer, run_dir)
     tables.pop("trainer")
     tables["run"].pop("dir")
+    tables["loop"].update(loop or {})
     config = make_config(run_dir, trainer, **tables)
     with anyio.fail_after(120):
         await corun.run(cls(config), config)
