@@ -12,4 +12,5 @@ none of them: torch, transformers and vLLM load with the module that needs them.
 - :mod:`.vllm_worker`: what runs inside vLLM (behaviour and top log-probs, weight
   reloads, the weights fingerprint)
 - :mod:`.fingerprint`: fingerprints of weights, and the weight sync that checks one
+- :mod:`.lora`: LoRA adapters on the engine side (names, files, which engines take them)
 """

@@ -55,6 +55,8 @@ def base_weights(state: Mapping[str, Tensor]) -> dict[str, Tensor]:
     parameters left out, ``X.base_layer.weight`` named ``X.weight`` again (what vLLM
     loads). A state without injected layers comes back as it is."""
     adapter = adapter_parameters(state)
+    if not adapter:
+        return dict(state)
     return {
         name.replace(".base_layer.", "."): tensor
         for name, tensor in state.items()

@@ -13,6 +13,11 @@ Every engine runs behind :class:`corun.loop.deadlines.BoundedEngine` with the de
 load), ``request_timeout_s`` (each generation and weight update) and
 ``shutdown_timeout_s``. One overrun fails the run with one line and leaves the engine
 dead (``health()`` false): nothing waits on it again.
+
+Precision: every engine keeps its weights in ``engine_options.dtype`` (options.py;
+fingerprints of the trained state are compared rounded to it). LoRA: a policy with
+peft's layers injected starts "local" as it is (its copy has the adapter); a vLLM
+engine loads the base weights under their own names, then the adapter as version 0.
 """
 
 from __future__ import annotations
@@ -25,9 +30,10 @@ import msgspec
 from torch import Tensor
 
 from corun.base.errors import ConfigError
-from corun.contract.engine import Engine
+from corun.contract.engine import Adapter, AdapterEngine, Engine
 from corun.contract.trainer import SetupContext
 from corun.engines.decode import CausalLM
+from corun.engines.lora import base_weights
 from corun.engines.options import LOCAL, WHERE, EngineOptions, VLLMConfig, engine_dtype
 from corun.execution.compute import Lane
 from corun.execution.cores import side_by_side
@@ -67,11 +73,13 @@ def check_engine(kind: EngineKind, options: EngineOptions, interrupt: bool) -> N
 async def start_engine(
     kind: EngineKind, options: EngineOptions, policy: Policy, pad_id: int,
     ctx: SetupContext, *, interrupt: bool,
-    wrap: Callable[[Engine], Awaitable[Engine]] | None = None,
+    wrap: Callable[[Engine], Awaitable[Engine]] | None = None, adapter: Adapter | None = None,
 ) -> Engine:  # fmt: skip
     """Start the engine on the policy's current weights (version 0), within
     ``options.start_timeout_s``; ``wrap`` (awaited within it too) may wrap the started
-    engine. Returns it bounded by the other deadlines of ``options``."""
+    engine. ``adapter``: the policy's LoRA adapter (``[trainer.lora]``; the policy's
+    model has its layers injected), which a vLLM engine loads as version 0 (set
+    ``options.lora_rank``). Returns it bounded by the other deadlines of ``options``."""
     check_engine(kind, options, interrupt)
     bounded = BoundedEngine(
         f"the {kind!r} engine", WHERE, options.request_timeout_s, options.shutdown_timeout_s
@@ -83,7 +91,10 @@ async def start_engine(
         bounded.inner = await _start(kind, options, policy, pad_id, ctx, interrupt)
         ctx.on_teardown("engine", bounded.shutdown)
         if kind != "local":  # vLLM loaded the directory's weights; the policy may differ
-            await bounded.inner.update_weights(policy.weights(), 0)
+            await bounded.inner.update_weights(base_weights(policy.weights()), 0)
+            if adapter is not None:
+                assert isinstance(bounded.inner, AdapterEngine)  # both vLLM engines
+                await bounded.inner.update_adapter(adapter, 0)
         if wrap is not None:
             bounded.inner = await wrap(bounded.inner)
     return bounded

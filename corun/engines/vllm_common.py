@@ -39,8 +39,8 @@ def engine_settings(config: VLLMConfig) -> dict[str, Any]:
         rank = next((r for r in LORA_RANKS if r >= config.lora_rank), None)
         if rank is None:
             raise ConfigError(
-                f"`$.{WHERE}.lora_rank` = {config.lora_rank}: vLLM takes LoRA ranks up to "
-                f"{LORA_RANKS[-1]}"
+                f"`$.{WHERE}.lora_rank` = {config.lora_rank} (the [trainer.lora] rank): vLLM "
+                f"takes LoRA ranks up to {LORA_RANKS[-1]}"
             )
         settings |= {
             "enable_lora": True, "max_lora_rank": rank, "max_loras": config.max_loras,
@@ -266,11 +266,11 @@ class AdapterVersions:
     ``keep`` stay loaded, and an older one is evicted only once no generation uses it.
     Their files live in a directory of the engine's own, removed by :meth:`close`."""
 
-    def __init__(self, keep: int) -> None:
+    def __init__(self, keep: int, root: Path | None = None) -> None:
         self.keep = keep
         self.loaded: list[LoadedAdapter] = []
         self._ids = itertools.count(1)  # vLLM's lora_int_id: unique, positive
-        self._root: Path | None = None
+        self._root = root  # default: a temporary directory, made at the first write
 
     @property
     def newest(self) -> LoadedAdapter | None:

@@ -18,6 +18,15 @@ written to a safetensors file, then ``/pause?mode=wait``, ``/collective_rpc`` of
 ``corun_reload`` (vllm_worker.WeightSync), ``/reset_prefix_cache``, ``/resume``; the
 weights fingerprint is ``/collective_rpc`` of ``corun_fingerprint``.
 
+Adapters (``lora_rank`` set; vllm_common.AdapterVersions): the server is started with
+LoRA support and ``VLLM_ALLOW_RUNTIME_LORA_UPDATING``; ``update_adapter`` writes the
+adapter into the engine's working directory and loads it with
+``/v1/load_lora_adapter`` under a name of its own, without draining; each completion
+request names the newest adapter as its ``model`` when the generation is admitted, so a
+running generation finishes on its adapter. Versions no longer kept are unloaded
+(``/v1/unload_lora_adapter``) once no generation uses them. The fingerprint adds the
+adapter as vLLM's worker loaded it (vllm_worker.py).
+
 Every HTTP call has a deadline (``request_timeout_s``) and runs beside a watch on the
 child: a server that exits mid-call is an :class:`EngineError` within ~0.2 s, one line
 with its exit status and last log line, and the engine is dead from then on. An HTTP
@@ -47,10 +56,13 @@ import httpx
 from torch import Tensor
 
 from corun.base.errors import ConfigError
-from corun.contract.engine import EngineError, Finish, Generation, Sampling
+from corun.contract.engine import Adapter, EngineError, Finish, Generation, Sampling
 from corun.engines.options import OPTIONS, VLLMConfig
 from corun.engines.vllm_common import (
+    AdapterVersions,
     DrainingEngine,
+    LoadedAdapter,
+    engine_settings,
     last_error_line,
     nucleus_args,
     one_line,
@@ -78,10 +90,11 @@ class VLLMServerEngine(DrainingEngine):
         super().__init__()
         self._dead: str | None = None
         self._stopped = False
+        self._adapters = AdapterVersions(config.max_loras, workdir / "adapters")
 
     @classmethod
     async def start(cls, config: VLLMConfig) -> VLLMServerEngine:
-        check_options(config.options)
+        check_options(config.options, config)
         workdir = Path(tempfile.mkdtemp(prefix="corun-vllm-"))
         port = _free_port()
         try:
@@ -113,25 +126,35 @@ class VLLMServerEngine(DrainingEngine):
         self._check()
         async with self._admission.generation():
             self._check()
-            version = self._version  # no update runs while a generation is admitted
-            results: list[dict[str, Any]] = [{} for _ in prompts]
+            with self._adapters.using() as adapter:  # the newest, to the end of the call
+                return await self._generate(prompts, sampling, seed, adapter)
 
-            async def complete_all(client: httpx.AsyncClient) -> None:
-                async def complete(i: int, prompt: list[int]) -> None:
-                    body = {
-                        "model": MODEL_NAME, "prompt": prompt, "return_token_ids": True,
-                        "skip_special_tokens": False, **sampling_fields(sampling, seed, i),
-                        **_top_fields(sampling),
-                    }  # fmt: skip
-                    results[i] = (await self._post(client, "/v1/completions", json=body))[
-                        "choices"
-                    ][0]
+    async def _generate(
+        self, prompts: Sequence[Sequence[int]], sampling: Sampling, seed: int,
+        adapter: LoadedAdapter | None,
+    ) -> list[Generation]:  # fmt: skip
+        """One call's completions, a request per prompt naming ``adapter`` (if any) as
+        its model."""
+        # No weight update runs while a generation is admitted; an adapter update
+        # changes the version only for generations admitted after it.
+        version = self._version
+        model = MODEL_NAME if adapter is None else adapter.name
+        results: list[dict[str, Any]] = [{} for _ in prompts]
 
-                async with anyio.create_task_group() as tasks:
-                    for i, prompt in enumerate(prompts):
-                        tasks.start_soon(complete, i, [int(t) for t in prompt])
+        async def complete_all(client: httpx.AsyncClient) -> None:
+            async def complete(i: int, prompt: list[int]) -> None:
+                body = {
+                    "model": model, "prompt": prompt, "return_token_ids": True,
+                    "skip_special_tokens": False, **sampling_fields(sampling, seed, i),
+                    **_top_fields(sampling),
+                }  # fmt: skip
+                results[i] = (await self._post(client, "/v1/completions", json=body))["choices"][0]
 
-            await self._call(complete_all)
+            async with anyio.create_task_group() as tasks:
+                for i, prompt in enumerate(prompts):
+                    tasks.start_soon(complete, i, [int(t) for t in prompt])
+
+        await self._call(complete_all)
         return [_generation(choice, version, sampling) for choice in results]
 
     async def update_weights(self, state: Mapping[str, Tensor], version: int) -> None:
@@ -162,12 +185,53 @@ class VLLMServerEngine(DrainingEngine):
         finally:
             self._admission.resume()
 
-    async def fingerprint(self) -> str:
-        """The fingerprint of the weights the server's worker holds (vllm_worker.py)."""
+    async def update_adapter(self, adapter: Adapter, version: int) -> None:
+        """Load ``adapter`` into the server as policy ``version`` (without draining:
+        see the module's docstring), then unload the versions no longer kept. A refused
+        adapter is an :class:`EngineError`; the server goes on serving the previous."""
         self._check()
+        if self._config.lora_rank is None:
+            raise EngineError(
+                "the vLLM server was started without LoRA support "
+                "(trainer.engine_options.lora_rank is unset)"
+            )
+        entry = await anyio.to_thread.run_sync(self._adapters.write, adapter, version)
+
+        async def load(client: httpx.AsyncClient) -> None:
+            body = {"lora_name": entry.name, "lora_path": str(entry.path)}
+            await self._post(client, "/v1/load_lora_adapter", json=body)
+
+        try:
+            await self._call(load)
+        except EngineError as exc:
+            AdapterVersions.drop(entry)
+            if self._dead is not None:  # the server died: that is the message
+                raise
+            detail = str(exc).removeprefix("vLLM server: ")
+            raise EngineError(
+                f"vLLM server refused the adapter for version {version}: {detail}"
+            ) from None
+        self._adapters.loaded.append(entry)
+        self._version = version
+        old = self._adapters.evictable()
+
+        async def unload(client: httpx.AsyncClient) -> None:
+            for stale in old:
+                await self._post(client, "/v1/unload_lora_adapter", json={"lora_name": stale.name})
+                AdapterVersions.drop(stale)
+
+        if old:
+            await self._call(unload)
+
+    async def fingerprint(self) -> str:
+        """The fingerprint of the weights the server's worker holds, with the newest
+        adapter as its LoRA manager loaded it (vllm_worker.py)."""
+        self._check()
+        newest = self._adapters.newest
+        args = [] if newest is None else [str(newest.path)]
 
         async def ask(client: httpx.AsyncClient) -> str:
-            rpc = {"method": "corun_fingerprint"}
+            rpc = {"method": "corun_fingerprint", "args": args}
             return str((await self._post(client, "/collective_rpc", json=rpc))["results"][0])
 
         return await self._call(ask)
@@ -250,7 +314,9 @@ class VLLMServerEngine(DrainingEngine):
                 f"vLLM server: POST {path} answered {response.status_code}: "
                 f"{_error_message(response)}"
             )
-        return response.json() if response.content else None
+        if response.headers.get("content-type", "").startswith("application/json"):
+            return response.json()
+        return response.text or None  # the LoRA endpoints answer in plain text
 
     async def _wait_healthy(self) -> None:
         deadline = time.monotonic() + self._config.start_timeout_s
@@ -296,7 +362,8 @@ async def _group_gone(pgid: int, timeout_s: float) -> None:
         await anyio.sleep(0.02)
 
 
-# api_server flags corun sets (as option keys): an option may not override them.
+# api_server flags corun sets (as option keys): an option may not override them, nor
+# those of vllm_common.engine_settings.
 CORUN_FLAGS = (
     "model", "served_model_name", "host", "port", "dtype", "enforce_eager", "max_num_seqs",
     "seed", "logprobs_mode", "logits_processors", "worker_extension_cls", "generation_config",
@@ -304,8 +371,9 @@ CORUN_FLAGS = (
 )  # fmt: skip
 
 
-def check_options(options: Mapping[str, Any]) -> None:
-    clash = sorted(set(CORUN_FLAGS) & {key.replace("-", "_") for key in options})
+def check_options(options: Mapping[str, Any], config: VLLMConfig) -> None:
+    ours = {*CORUN_FLAGS, *engine_settings(config)}
+    clash = sorted(ours & {key.replace("-", "_") for key in options})
     if clash:
         own = clash[0] in VLLMConfig.__struct_fields__
         instead = f"use `$.trainer.engine_options.{clash[0]}`" if own else "not an option"
@@ -316,7 +384,7 @@ def _launch(config: VLLMConfig, port: int, workdir: Path) -> ChildProcess:
     argv = [
         sys.executable, "-m", WORKER, "--model", config.model,
         "--served-model-name", MODEL_NAME, "--host", "127.0.0.1", "--port", str(port),
-        "--dtype", "float32", "--enforce-eager", "--max-num-seqs", str(config.max_num_seqs),
+        *_flags(engine_settings(config)), "--max-num-seqs", str(config.max_num_seqs),
         "--seed", str(config.seed), "--logprobs-mode", "processed_logits",
         "--logits-processors", PROCESSOR, "--worker-extension-cls", EXTENSION,
         "--generation-config", "vllm", "--disable-uvicorn-access-log",
@@ -331,6 +399,8 @@ def _launch(config: VLLMConfig, port: int, workdir: Path) -> ChildProcess:
         "VLLM_ENABLE_V1_MULTIPROCESSING": "1",
         # vllm_worker.watch_parent: the server dies with this process, its directory too.
         "CORUN_VLLM_PARENT": str(os.getpid()), "CORUN_VLLM_WORKDIR": str(workdir),
+        # /v1/load_lora_adapter and /v1/unload_lora_adapter (update_adapter).
+        "VLLM_ALLOW_RUNTIME_LORA_UPDATING": "1" if config.lora_rank is not None else "0",
     }  # fmt: skip
     env.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
     with open(workdir / "server.log", "wb") as log:  # the child keeps its own descriptor
