@@ -122,8 +122,21 @@ class TransformersEngine:
         return self._version
 
     def _load(self, update: _Update) -> None:
+        """Copy ``update`` into the model tensor by tensor, in the order it yields them:
+        a state gathered from shards as it is read (corun/execution/parallel.py) is
+        never held whole beside the model."""
+        own = self.model.state_dict()  # the model's tensors themselves (detached views)
+        loaded = set()
         with torch.no_grad():
-            self.model.load_state_dict(update.tensors, strict=not update.partial)
+            for name, tensor in update.tensors.items():
+                target = own.get(name)
+                if target is None or target.shape != tensor.shape:
+                    raise EngineError(f"weight {name!r} does not fit the engine's model")
+                target.copy_(tensor)
+                loaded.add(name)
+        missing = sorted(own.keys() - loaded)
+        if missing and not update.partial:
+            raise EngineError(f"the weights lack the engine's {missing[0]!r}")
         self._version = update.version
 
     async def update_weights(self, state: Mapping[str, Tensor], version: int) -> None:

@@ -38,7 +38,7 @@ from corun.engines.decode import left_pad
 from corun.engines.options import EngineOptions
 from corun.engines.start import EngineKind, check_engine, start_engine
 from corun.execution import parallel
-from trainers.hf import sync
+from trainers.hf import lora, sync
 from trainers.hf.evaluation import evaluate
 from trainers.hf.policy import ChatFormat, HFPolicy
 from trainers.hf.rewards import Rewards
@@ -121,9 +121,9 @@ class HFRollouts(PolicyGradientTrainer[Any]):
         # weights); a sync then streams it the gathered shards.
         source, self.engine_source = self.engine_source or self.policy, None
         self.engine = await start_engine(
-            cfg.engine, sync.engine_options(cfg, loop), sync.StartingPolicy(source),
-            self.chat.pad_id, ctx, interrupt=cfg.inflight_at_sync == "interrupt",
-            wrap=self.wrap_engine,
+            cfg.engine, sync.engine_options(cfg, loop), source, self.chat.pad_id, ctx,
+            interrupt=cfg.inflight_at_sync == "interrupt", wrap=self.wrap_engine,
+            adapter=lora.adapter(source) if lora.is_lora(source) else None,
         )  # fmt: skip
         del source
         # The fingerprint of each synced version's weights, as the engine reported them.
@@ -179,18 +179,15 @@ class HFRollouts(PolicyGradientTrainer[Any]):
 
     def _gather(self) -> tuple[str, Any]:
         return (
-            sync.trained_fingerprint(self.policy, self.config),
-            sync.sharded_payload(self.policy, self.config),
+            sync.trained_fingerprint(self.engine, self.policy, self.config),
+            sync.sharded_payload(self.engine, self.policy, self.config),
         )
 
     async def _started_weights(self) -> str:
-        """The fingerprint the started engine reports (after its first adapter, under
+        """The fingerprint the started engine reports (with its first adapter, under
         LoRA), checked against the policy's."""
-        if sync.takes_adapter(self.config):
-            await self.sync_weights(0)
-            return self.fingerprints[0]
         trained = await _on_lane(
-            self.train_lane, sync.trained_fingerprint, self.policy, self.config
+            self.train_lane, sync.trained_fingerprint, self.engine, self.policy, self.config
         )
         return sync.check_served(await self.engine.fingerprint(), trained, 0)
 

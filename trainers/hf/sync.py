@@ -3,12 +3,13 @@
 - **Whole weights** (no LoRA): the state dict; from a sharded policy (``run.parallel =
   "fsdp"``) gathered a bucket at a time as the engine reads it
   (``trainer.sync_bucket_bytes``), never a second whole copy on the rank.
-- **An adapter** (``[trainer.lora]``) to an engine that takes adapters — the local
-  transformers engine copies it into its own LoRA layers, vLLM in process loads it as
-  a ``LoRARequest`` per version, keeping ``loop``'s staleness bound + 1 versions so a
-  generation in flight finishes on the adapter it started with.
-- **Merged weights** (base + the adapter's product) under LoRA to the vLLM server,
-  which takes whole weights only: as large as a full sync (benchmarks: ``parallel``).
+- **The adapter** (``[trainer.lora]``): every built-in engine takes one — the local
+  transformers engine copies it into its own LoRA layers, vLLM (in process or as a
+  server) loads it as its own LoRA adapter per version, keeping ``loop``'s staleness
+  bound + 1 versions so a generation in flight finishes on the adapter it started
+  with.
+- **Merged weights** (base + the adapter's product) under LoRA for an engine that takes
+  no adapters (one of your own): as large as a full sync.
 
 Each sync is verified by the engine's fingerprint of what it serves
 (corun/engines/fingerprint.py), the trained side rounded to the engine's precision
@@ -18,64 +19,44 @@ and, when sharded, summed over every rank's shards.
 from __future__ import annotations
 
 from collections.abc import Mapping
-from pathlib import Path
 from typing import Any
 
 import msgspec
-import torch
 from torch import Tensor
 
 from corun.base.config import LoopConfig
 from corun.contract.engine import Adapter, AdapterEngine, Engine, EngineError
 from corun.engines.fingerprint import MOD, bits_sum, format_fingerprint, sync_verified
+from corun.engines.lora import takes_adapters
 from corun.engines.options import EngineOptions, engine_dtype
 from corun.execution import parallel
 from trainers.hf.lora import adapter, is_lora, merged_weights
 from trainers.hf.policy import HFPolicy
 
 
-def takes_adapter(config: Any) -> bool:
-    """Whether syncs send the adapter alone (LoRA, and an engine that takes adapters)."""
-    return config.lora is not None and config.engine != "vllm-server"
-
-
 def engine_options(config: Any, loop: LoopConfig) -> EngineOptions:
     """``[trainer.engine_options]``, with LoRA's rank and enough adapter slots for every
     version a rollout may still be generating with."""
     options: EngineOptions = config.engine_options
-    if not takes_adapter(config):
+    if config.lora is None:
         return options
     slots = max(options.max_loras, loop.staleness_bound + 1)
     return msgspec.structs.replace(options, lora_rank=config.lora.rank, max_loras=slots)
 
 
-class StartingPolicy:
-    """The policy as an engine starts from it: its model (copied by the local engine),
-    its directory (loaded by vLLM) and the weights vLLM then loads: under LoRA the
-    base's (the adapter follows as its own sync)."""
-
-    def __init__(self, policy: HFPolicy) -> None:
-        self.policy = policy
-
-    @property
-    def model(self) -> torch.nn.Module:
-        return self.policy.model
-
-    @property
-    def source(self) -> Path:
-        return self.policy.source
-
-    def weights(self) -> dict[str, Tensor]:
-        return merged_weights(self.policy) if is_lora(self.policy) else self.policy.weights()
+def sends_adapter(engine: Engine, policy: HFPolicy) -> bool:
+    """Whether syncs send the adapter alone (LoRA, and an engine that takes adapters)."""
+    return is_lora(policy) and takes_adapters(engine)
 
 
 async def sync(
     engine: Engine, policy: HFPolicy, config: Any, version: int, mode: Any
 ) -> str:  # fmt: skip
     """Send ``policy``'s trained weights (or adapter) to ``engine`` as ``version`` and
-    check its fingerprint; returns it. Unsharded only (:func:`sync_sharded` otherwise)."""
+    check its fingerprint; returns it. Unsharded only (:func:`sharded_payload` and
+    :func:`send` otherwise)."""
     dtype = engine_dtype(config.engine_options)
-    if takes_adapter(config):
+    if sends_adapter(engine, policy):
         return await sync_verified(
             engine, policy.weights(), version, mode=mode, dtype=dtype, adapter=adapter(policy)
         )
@@ -83,10 +64,12 @@ async def sync(
     return await sync_verified(engine, weights, version, mode=mode, dtype=dtype)
 
 
-def sharded_payload(policy: HFPolicy, config: Any) -> Adapter | Mapping[str, Tensor]:
+def sharded_payload(
+    engine: Engine, policy: HFPolicy, config: Any
+) -> Adapter | Mapping[str, Tensor]:  # fmt: skip
     """What a sharded policy's sync sends (gathering: every rank builds it together):
     its adapter whole, or its weights gathered as they are read."""
-    if takes_adapter(config):
+    if sends_adapter(engine, policy):
         return adapter(policy)
     return parallel.GatheredState(policy.weights(), config.sync_bucket_bytes)
 
@@ -100,12 +83,12 @@ async def send(engine: Engine, payload: Adapter | Mapping[str, Tensor], version:
         raise EngineError(f"adapter sync to version {version}: the engine takes no adapters")
 
 
-def trained_fingerprint(policy: HFPolicy, config: Any) -> str:
+def trained_fingerprint(engine: Engine, policy: HFPolicy, config: Any) -> str:
     """The fingerprint of the weights the engine should serve, in its precision: the
     policy's (base and adapter), summed over the shards of every rank when sharded (a
     collective), or, merged for an engine that takes no adapter, the merged weights."""
     dtype = engine_dtype(config.engine_options)
-    if is_lora(policy) and not takes_adapter(config):
+    if is_lora(policy) and not takes_adapters(engine):
         return format_fingerprint(bits_sum(merged_weights(policy).values(), dtype))
     tensors = policy.weights().values()
     if not parallel.is_sharded(policy):
