@@ -115,3 +115,27 @@ def test_endpoint_hf_benchmark_quick(tmp_path: Path) -> None:
     (sync,) = figures["sync"]
     assert sync["engine"] == "local" and sync["syncs"] == settings["syncs"]
     assert sync["overlapping"] > 0 and sync["clear"] > 0
+
+
+@pytest.mark.slow
+def test_parallel_benchmark_tiny(tmp_path: Path) -> None:
+    """hf_sft at 1 rank and at 2 under ddp and fsdp (real `corun train` processes, each
+    rank's memory followed), hf_grpo's full-weight and LoRA syncs; no rank left behind."""
+    out, tag = tmp_path / "figures.json", f"corun-parallel-test-{os.getpid()}"
+    result = subprocess.run(
+        [sys.executable, "-m", "corun.bench.parallel", "--grid", "tiny", "--json", str(out)],
+        cwd=ROOT, capture_output=True, text=True, timeout=300,
+        env={**os.environ, "CORUN_BENCHMARK_TAG": tag},
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert "params + grads + AdamW per rank" in result.stdout and "bytes sent" in result.stdout
+    figures = json.loads(out.read_text())
+    layouts, (full, lora) = figures["layouts"], figures["syncs"]
+    assert [(r["nproc"], r["parallel"]) for r in layouts] == [(1, "ddp"), (2, "ddp"), (2, "fsdp")]
+    for run in layouts:
+        assert len(run["peaks_mb"]) == run["nproc"] and min(run["peaks_mb"]) > 0, run
+        assert run["step_ms"] > 0
+    assert layouts[0]["weight_bytes"] > 0 and layouts[0]["optimizer_bytes"] > 0
+    assert full["sync_ms"] > 0 and lora["sync_ms"] > 0
+    assert 0 < lora["weight_bytes"] < full["weight_bytes"]
+    assert _processes_with(f"CORUN_BENCHMARK_TAG={tag}".encode()) == []

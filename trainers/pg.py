@@ -2,10 +2,13 @@
 
 Pure tensor functions, tested in isolation: group-normalised advantages, the
 clipped-ratio surrogate with separate low/high clip (DAPO clip-higher) and optional
-dual clip, loss aggregation modes, the k3 KL estimator, GAE, and the clipped value
-loss. tests/test_pg_reference*.py checks each against an independent reference
-written from verl's ``core_algos`` semantics; where these functions differ from it
-on purpose, the docstring says so and why.
+dual clip, loss aggregation modes, the k3 KL estimator, GAE, the clipped value
+loss, and the rollout corrections for the training–inference mismatch (truncated and
+masked importance sampling, rejection, IcePop) with their mismatch diagnostics.
+tests/test_pg_reference*.py checks each against an independent reference written
+from verl's ``core_algos`` semantics (tests/test_pg_corrections.py: the corrections,
+docs/corrections.md: their peers); where these functions differ from it on purpose,
+the docstring says so and why.
 
 Shapes: ``B`` sequences (``groups × group_size`` for GRPO), ``T`` response tokens
 (or denoising steps); ``mask`` is 1 on tokens that count (any layout: left or right
@@ -14,7 +17,9 @@ padding, holes, rows with no tokens).
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Literal, get_args
 
 import torch
@@ -239,3 +244,303 @@ def clipped_value_loss(values: Tensor, old_values: Tensor, returns: Tensor, clip
     ``compute_value_loss`` before aggregation; aggregate it with :func:`aggregate`)."""
     clipped = old_values + (values - old_values).clamp(-clip, clip)
     return 0.5 * torch.maximum((values - returns) ** 2, (clipped - returns) ** 2)
+
+
+# ----------------------------------------------------------------------------- rollout corrections
+#
+# The engine that sampled a batch (vLLM, another dtype or kernel) computes other
+# probabilities than the trainer for the same weights: the training–inference mismatch.
+# A correction turns the two log-probs of each sampled token into a weight that
+# multiplies the per-token policy loss and a ``keep`` mask of the tokens still in the
+# loss. ``trainer_logp``: the trainer's log-prob of each sampled token under the weights
+# the batch was sampled with; ``behaviour_logp``: the engine's. ρ = π_train / π_behav.
+# docs/corrections.md compares each with the peer it follows.
+
+Correction = Literal["none", "token-tis", "seq-tis", "token-mis", "seq-mis", "geo-rs", "icepop"]
+
+TIS_CAP = 2.0  # verl's rollout_is_threshold, slime's tis_clip
+MIS_BAND = (0.5, 2.0)  # verl's seq-MIS preset
+GEO_BAND = (0.999, 1.001)  # verl's geo-RS presets
+ICEPOP_BAND = (0.5, 5.0)  # IcePop's α, β
+# The settings each correction takes; :func:`rollout_correction` refuses the others.
+CORRECTION_SETTINGS: dict[Correction, tuple[str, ...]] = {
+    "none": (),
+    "token-tis": ("cap",),
+    "seq-tis": ("cap",),
+    "token-mis": ("low", "high"),
+    "seq-mis": ("low", "high"),
+    "geo-rs": ("low", "high"),
+    "icepop": ("low", "high"),
+}
+# |log ρ| bound of the k1, k3 and sequence mismatch metrics (verl's SAFETY_BOUND): one
+# token the engine gave probability 0 must not make the batch's KL estimate infinite.
+MISMATCH_CLAMP = 20.0
+
+Shared = Callable[[Tensor], Tensor]
+
+
+@dataclass(frozen=True)
+class CorrectionResult:
+    """What a correction did to a (B, T) batch.
+
+    ``weights`` (detached, ``trainer_logp``'s dtype) multiply the per-token policy loss:
+    1 on padding, 0 on tokens a correction dropped or masked. ``keep`` (bool) is ``mask``
+    less the tokens a rejection dropped: pass it to :func:`aggregate` as the mask, so
+    they also leave the denominators (as verl's rejection does). ``metrics`` are named
+    ``correction/...``: ``weight_mean`` and ``weight_max`` over the kept tokens (1 when
+    none is kept), and the shares of counted tokens ``truncated`` (weight capped),
+    ``masked`` (weight 0, still counted), ``rejected`` (out of ``keep``), and
+    ``rejected_seqs``: the share of rows with tokens that lost all of them.
+    """
+
+    weights: Tensor
+    keep: Tensor
+    metrics: dict[str, float]
+
+
+def mismatch_log_ratio(trainer_logp: Tensor, behaviour_logp: Tensor, mask: Tensor) -> Tensor:
+    """Per-token ``log ρ = trainer_logp - behaviour_logp`` (detached) on counted tokens, 0
+    on padding (which may hold anything). Equal log-probs give 0, both -inf included (the
+    two agree the token is impossible: ρ = 1, not NaN); one -inf gives ±inf."""
+    trainer, behaviour = trainer_logp.detach(), behaviour_logp.detach()
+    log_ratio = torch.where(trainer == behaviour, 0.0, trainer - behaviour)
+    return torch.where(mask.bool(), log_ratio, 0.0)
+
+
+def _sequence_log_ratio(log_ratio: Tensor) -> Tensor:
+    """Per row ``log ∏ ρ_t = Σ log ρ_t`` over counted tokens (0 for a row without any: ρ =
+    1). A row with a +inf and a -inf token (ρ = ∞ · 0, undefined) gets -inf: ρ = 0."""
+    total = log_ratio.sum(dim=1)
+    return torch.where(total.isnan(), -math.inf, total)
+
+
+def _log(bound: float) -> float:
+    return math.log(bound) if bound > 0 else -math.inf
+
+
+def _check_cap(cap: float) -> None:
+    if not 1.0 <= cap < math.inf:
+        raise ValueError(f"importance weight cap must be finite and at least 1, got {cap}")
+
+
+def _check_band(low: float, high: float) -> None:
+    # The band holds ρ = 1, so tokens the two policies agree on always pass; finite, so
+    # no weight is infinite.
+    if not (0.0 <= low <= 1.0 <= high < math.inf and low < high):
+        raise ValueError(f"ratio band must have 0 <= low <= 1 <= high < inf, got [{low}, {high}]")
+
+
+def _in_band(log_ratio: Tensor, low: float, high: float) -> Tensor:
+    return (log_ratio >= _log(low)) & (log_ratio <= _log(high))
+
+
+def _band_weight(log_ratio: Tensor, low: float, high: float) -> Tensor:
+    """ρ where ``log_ratio`` is in the band: exp of the log-ratio clamped to the band
+    first, so that no exp overflows outside it (those tokens' weight is replaced)."""
+    return torch.exp(log_ratio.clamp(_log(low), _log(high)))
+
+
+def _result(
+    weights: Tensor, keep: Tensor, counted: Tensor, *, truncated: Tensor | None = None,
+    masked: Tensor | None = None, shared: Shared | None = None,
+) -> CorrectionResult:  # fmt: skip
+    """Weights 1 on padding and 0 on dropped tokens, and the correction's metrics."""
+    weights = torch.where(keep, weights, (~counted).to(weights.dtype)).detach()
+    share = shared or (lambda count: count)
+    wide = weights.double()
+    none = torch.zeros_like(counted)
+    rows = counted.any(dim=1)
+    per_token = {
+        "truncated": truncated if truncated is not None else none,
+        "masked": masked if masked is not None else none,
+        "rejected": counted & ~keep,
+    }
+    tokens = share(counted.sum())
+    kept = share(keep.sum())
+    metrics = {
+        "correction/weight_mean": _share(torch.where(keep, wide, 0.0).sum(), kept, 1.0),
+        "correction/weight_max": float(wide[keep].max()) if keep.any() else 1.0,
+        **{f"correction/{k}": _share(v.sum(), tokens, 0.0) for k, v in per_token.items()},
+        "correction/rejected_seqs": _share((rows & ~keep.any(dim=1)).sum(), share(rows.sum()), 0.0),
+    }
+    return CorrectionResult(weights, keep, metrics)
+
+
+def _share(total: Tensor, count: Tensor, empty: float) -> float:
+    """``total / count`` (``count``: a shared count, so the ranks' mean is the batch's),
+    or ``empty`` when nothing counts anywhere."""
+    return float(total) / float(count) if float(count) > 0 else empty
+
+
+def no_correction(
+    trainer_logp: Tensor, behaviour_logp: Tensor, mask: Tensor, *, shared: Shared | None = None
+) -> CorrectionResult:
+    """``none``: weights exactly 1, ``keep`` = ``mask``; the engine's log-probs are the
+    behaviour policy's as they are."""
+    counted = mask.bool()
+    return _result(torch.ones_like(trainer_logp.detach()), counted, counted, shared=shared)
+
+
+def token_tis(
+    trainer_logp: Tensor, behaviour_logp: Tensor, mask: Tensor, *, cap: float = TIS_CAP,
+    shared: Shared | None = None,
+) -> CorrectionResult:  # fmt: skip
+    """``token-tis``, token-level truncated IS: ``w_t = min(ρ_t, C)``; every token kept.
+
+    Computed as ``exp(min(log ρ_t, log C))``: no overflow. ρ_t = 0 (the trainer gives
+    the token probability 0) weighs 0, ρ_t = ∞ (the engine did) weighs C.
+    """
+    _check_cap(cap)
+    counted = mask.bool()
+    log_ratio = mismatch_log_ratio(trainer_logp, behaviour_logp, mask)
+    weights = torch.exp(log_ratio.clamp(max=math.log(cap)))
+    truncated = counted & (log_ratio > math.log(cap))
+    return _result(weights, counted, counted, truncated=truncated, shared=shared)
+
+
+def seq_tis(
+    trainer_logp: Tensor, behaviour_logp: Tensor, mask: Tensor, *, cap: float = TIS_CAP,
+    shared: Shared | None = None,
+) -> CorrectionResult:  # fmt: skip
+    """``seq-tis``, sequence-level truncated IS: every token of row i weighs
+    ``min(∏_t ρ_t, C)`` over the row's counted tokens; every token kept.
+
+    The product is ``exp(min(Σ_t log ρ_t, log C))``: no overflow however long the row.
+    A row without tokens: ρ = 1. See :func:`_sequence_log_ratio` for ∞ · 0.
+    """
+    _check_cap(cap)
+    counted = mask.bool()
+    log_ratio = _sequence_log_ratio(mismatch_log_ratio(trainer_logp, behaviour_logp, mask))
+    weights = torch.exp(log_ratio.clamp(max=math.log(cap)))[:, None].expand_as(counted)
+    truncated = counted & (log_ratio > math.log(cap))[:, None]
+    return _result(weights, counted, counted, truncated=truncated, shared=shared)
+
+
+def token_mis(
+    trainer_logp: Tensor, behaviour_logp: Tensor, mask: Tensor, *, low: float = MIS_BAND[0],
+    high: float = MIS_BAND[1], shared: Shared | None = None,
+) -> CorrectionResult:  # fmt: skip
+    """``token-mis``, token-level masked IS: ``w_t = ρ_t`` if ``low <= ρ_t <= high``;
+    a token outside the band is rejected (out of ``keep``, weight 0)."""
+    _check_band(low, high)
+    counted = mask.bool()
+    log_ratio = mismatch_log_ratio(trainer_logp, behaviour_logp, mask)
+    inside = _in_band(log_ratio, low, high)
+    return _result(_band_weight(log_ratio, low, high), counted & inside, counted, shared=shared)
+
+
+def seq_mis(
+    trainer_logp: Tensor, behaviour_logp: Tensor, mask: Tensor, *, low: float = MIS_BAND[0],
+    high: float = MIS_BAND[1], shared: Shared | None = None,
+) -> CorrectionResult:  # fmt: skip
+    """``seq-mis``, sequence-level masked IS: every token of row i weighs ``ρ_i = ∏_t ρ_t``
+    if ``low <= ρ_i <= high``; a row outside the band is rejected whole."""
+    _check_band(low, high)
+    counted = mask.bool()
+    log_ratio = _sequence_log_ratio(mismatch_log_ratio(trainer_logp, behaviour_logp, mask))
+    weights = _band_weight(log_ratio, low, high)[:, None].expand_as(counted)
+    keep = counted & _in_band(log_ratio, low, high)[:, None]
+    return _result(weights, keep, counted, shared=shared)
+
+
+def geo_rs(
+    trainer_logp: Tensor, behaviour_logp: Tensor, mask: Tensor, *, low: float = GEO_BAND[0],
+    high: float = GEO_BAND[1], shared: Shared | None = None,
+) -> CorrectionResult:  # fmt: skip
+    """``geo-rs``, geometric-mean rejection: row i is rejected whole unless the geometric
+    mean of its ratios ``exp(mean_t log ρ_t)`` is in ``[low, high]``; weights stay 1.
+
+    Length-normalised, so a long answer is not rejected for its length alone as a
+    product would be. Compared in log space: no exp at all.
+    """
+    _check_band(low, high)
+    counted = mask.bool()
+    log_ratio = _sequence_log_ratio(mismatch_log_ratio(trainer_logp, behaviour_logp, mask))
+    mean = log_ratio / counted.sum(dim=1).clamp(min=1)
+    keep = counted & _in_band(mean, low, high)[:, None]
+    return _result(torch.ones_like(trainer_logp.detach()), keep, counted, shared=shared)
+
+
+def icepop(
+    trainer_logp: Tensor, behaviour_logp: Tensor, mask: Tensor, *, low: float = ICEPOP_BAND[0],
+    high: float = ICEPOP_BAND[1], shared: Shared | None = None,
+) -> CorrectionResult:  # fmt: skip
+    """``icepop``, IcePop's token masking: ``w_t = ρ_t`` if ``low <= ρ_t <= high``, else 0.
+
+    The weights are :func:`token_mis`'s; the difference is the denominator: a masked
+    token stays in ``keep``, so it still counts in the loss's token means (IcePop's
+    ``1/|y|``), where token-mis drops it from them.
+    """
+    _check_band(low, high)
+    counted = mask.bool()
+    log_ratio = mismatch_log_ratio(trainer_logp, behaviour_logp, mask)
+    inside = _in_band(log_ratio, low, high)
+    weights = torch.where(inside, _band_weight(log_ratio, low, high), 0.0)
+    return _result(weights, counted, counted, masked=counted & ~inside, shared=shared)
+
+
+_CORRECTIONS: dict[str, Callable[..., CorrectionResult]] = {
+    "none": no_correction,
+    "token-tis": token_tis,
+    "seq-tis": seq_tis,
+    "token-mis": token_mis,
+    "seq-mis": seq_mis,
+    "geo-rs": geo_rs,
+    "icepop": icepop,
+}
+
+
+def rollout_correction(
+    kind: Correction, trainer_logp: Tensor, behaviour_logp: Tensor, mask: Tensor, *,
+    cap: float | None = None, low: float | None = None, high: float | None = None,
+    shared: Shared | None = None,
+) -> CorrectionResult:  # fmt: skip
+    """The correction ``kind`` of (B, T) log-probs over ``mask``; a setting left None is
+    the correction's default, one it does not take (:data:`CORRECTION_SETTINGS`) is a
+    ValueError. ``shared`` as in :func:`aggregate` (``corun.shared_count`` under
+    torchrun): the metrics' shares and means are then the whole batch's once averaged
+    over the ranks; ``weight_max`` stays each rank's own."""
+    if kind not in _CORRECTIONS:
+        raise ValueError(f"unknown rollout correction {kind!r}")
+    given = {k: v for k, v in (("cap", cap), ("low", low), ("high", high)) if v is not None}
+    unused = sorted(set(given) - set(CORRECTION_SETTINGS[kind]))
+    if unused:
+        raise ValueError(f"rollout correction {kind!r} takes no {', '.join(unused)}")
+    return _CORRECTIONS[kind](trainer_logp, behaviour_logp, mask, shared=shared, **given)
+
+
+def mismatch_metrics(
+    trainer_logp: Tensor, behaviour_logp: Tensor, mask: Tensor, *,
+    threshold: float = math.log(2.0), shared: Shared | None = None,
+) -> dict[str, float]:  # fmt: skip
+    """How far the engine's log-probs are from the trainer's for the same tokens, over
+    the counted tokens (float64; each 0 when none counts), named ``mismatch/...``:
+
+    ``k1``: mean of ``log π_behav - log π_train``; ``k3``: mean of ``ρ - 1 - log ρ``.
+    Both estimate KL(behaviour || trainer) on the behaviour's samples (verl's
+    ``rollout_corr/kl`` and ``k3_kl``); k3 is never negative. Each token's log ρ is
+    clamped to ±:data:`MISMATCH_CLAMP` first. ``max_abs_log_ratio``: the largest
+    |log ρ|, unclamped (inf where one side gave probability 0). ``share_over``: the
+    share of tokens with |log ρ| > ``threshold`` (default log 2: a factor of two).
+    ``seq_abs_log_ratio``: the mean over rows with tokens of |Σ_t log ρ_t| (clamped
+    tokens), the log of the sequence-level ratio. ``shared`` as in :func:`aggregate`.
+    """
+    if threshold < 0:
+        raise ValueError(f"mismatch threshold must be non-negative, got {threshold}")
+    counted = mask.bool()
+    share = shared or (lambda count: count)
+    log_ratio = mismatch_log_ratio(trainer_logp, behaviour_logp, mask).double()
+    clamped = log_ratio.clamp(-MISMATCH_CLAMP, MISMATCH_CLAMP)  # padding is 0
+    k3 = (torch.expm1(clamped) - clamped).clamp(min=0.0)  # expm1: exact for tiny log ρ
+    size = log_ratio.abs()  # padding is 0
+    rows = counted.any(dim=1)
+    tokens = share(counted.sum())
+    return {
+        "mismatch/k1": _share(-clamped.sum(), tokens, 0.0),
+        "mismatch/k3": _share(k3.sum(), tokens, 0.0),
+        "mismatch/max_abs_log_ratio": float(size.max()) if counted.any() else 0.0,
+        "mismatch/share_over": _share((counted & (size > threshold)).sum(), tokens, 0.0),
+        "mismatch/seq_abs_log_ratio": _share(
+            clamped.sum(dim=1).abs()[rows].sum(), share(rows.sum()), 0.0
+        ),
+    }

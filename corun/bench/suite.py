@@ -42,6 +42,7 @@ SUITES = {  # name: the module (corun/bench/<module>.py) whose `suite` it is
     "endpoint_hf": "endpoint_hf",
     "engines": "engines",
     "shared": "shared",
+    "parallel": "parallel",
 }
 GRIDS = ("full", "quick", "tiny")
 EXIT_USAGE, EXIT_INTERRUPTED = 2, 130

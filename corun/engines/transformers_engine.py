@@ -39,7 +39,7 @@ from torch import Tensor
 
 from corun.contract.engine import Adapter, EngineError, Generation, Sampling
 from corun.engines import decode
-from corun.engines.fingerprint import weights_fingerprint
+from corun.engines.fingerprint import bits_sum, format_fingerprint, weights_fingerprint
 from corun.engines.lora import adapter_parameters, parameter_name
 from corun.execution.compute import Lane, blocking_io
 
@@ -72,6 +72,7 @@ class TransformersEngine:
         state = self.model.state_dict()
         # The injected LoRA layers' parameters and shapes: what an adapter must fill.
         self._adapter_shapes = {name: state[name].shape for name in adapter_parameters(state)}
+        self._base_bits: int | None = None  # the base weights' bit sum, under LoRA
         self.pad_id = pad_id
         self.lane = lane
         self._owns_lane = owns_lane
@@ -137,6 +138,8 @@ class TransformersEngine:
         missing = sorted(own.keys() - loaded)
         if missing and not update.partial:
             raise EngineError(f"the weights lack the engine's {missing[0]!r}")
+        if not update.partial:
+            self._base_bits = None  # the base weights changed
         self._version = update.version
 
     async def update_weights(self, state: Mapping[str, Tensor], version: int) -> None:
@@ -198,7 +201,15 @@ class TransformersEngine:
         if published is not None:  # what the next decode step loads, in place of its own
             # No update is in flight but this one (syncs do not overlap).
             state = {**state, **published.tensors}
-        return weights_fingerprint(state.values())
+        if not self._adapter_shapes or (published is not None and not published.partial):
+            return weights_fingerprint(state.values())
+        # LoRA: the base weights change only by a whole update, so their sum is kept
+        # and an adapter sync sums the adapter alone.
+        if self._base_bits is None:
+            base = (t for name, t in state.items() if name not in self._adapter_shapes)
+            self._base_bits = bits_sum(base)
+        adapters = (state[name] for name in self._adapter_shapes)
+        return format_fingerprint(self._base_bits + bits_sum(adapters))
 
     async def pause(self) -> None:
         self._resumed = anyio.Event()

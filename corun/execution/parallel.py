@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Iterable, Iterator, Mapping, Sequence
-from contextlib import contextmanager, nullcontext
+from contextlib import contextmanager
 from typing import Any, Literal
 
 import torch
@@ -110,7 +110,8 @@ def _autocast_method(module: nn.Module, name: str, dtype: torch.dtype) -> None:
 
     @functools.wraps(method)
     def autocast(*args: Any, **kwargs: Any) -> Any:
-        with torch.autocast(device_type(), dtype=dtype):
+        where = next(module.parameters()).device.type  # where the module computes
+        with torch.autocast(where, dtype=dtype):
             return method(*args, **kwargs)
 
     setattr(module, name, autocast)
@@ -154,13 +155,6 @@ def gathered(module: nn.Module) -> Iterator[None]:
         yield
     finally:
         module.reshard()  # type: ignore[operator]
-
-
-def autocast(dtype: torch.dtype) -> Any:
-    """A context computing in ``dtype`` (nothing for float32)."""
-    if dtype == torch.float32:
-        return nullcontext()
-    return torch.autocast(device_type(), dtype=dtype)
 
 
 # ----------------------------------------------------------------------------- gradients
@@ -261,7 +255,3 @@ def world_sum(value: int, modulus: int) -> int:
     values: list[int] = [0] * world().size
     dist.all_gather_object(values, value)
     return sum(values) % modulus
-
-
-def dtype_of(name: str) -> torch.dtype:
-    return DTYPES[name]

@@ -18,10 +18,11 @@ and, when sharded, summed over every rank's shards.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from typing import Any
 
 import msgspec
+import torch
 from torch import Tensor
 
 from corun.base.config import LoopConfig
@@ -90,11 +91,24 @@ def trained_fingerprint(engine: Engine, policy: HFPolicy, config: Any) -> str:
     dtype = engine_dtype(config.engine_options)
     if is_lora(policy) and not takes_adapters(engine):
         return format_fingerprint(bits_sum(merged_weights(policy).values(), dtype))
-    tensors = policy.weights().values()
+    state = policy.weights()
+    if not is_lora(policy):
+        return format_fingerprint(_summed(state.values(), policy, dtype))
+    # The frozen base's sum once; each sync sums the adapters alone.
+    cache: dict[torch.dtype, int] = policy.__dict__.setdefault("base_bits", {})
+    if dtype not in cache:
+        cache[dtype] = _summed((t for n, t in state.items() if "lora_" not in n), policy, dtype)
+    adapters = _summed((t for n, t in state.items() if "lora_" in n), policy, dtype)
+    return format_fingerprint(cache[dtype] + adapters)
+
+
+def _summed(tensors: Iterable[Tensor], policy: HFPolicy, dtype: torch.dtype) -> int:
+    """The bit sum of ``tensors``, over the shards of every rank when sharded (a
+    collective)."""
     if not parallel.is_sharded(policy):
-        return format_fingerprint(bits_sum(tensors, dtype))
+        return bits_sum(tensors, dtype)
     mine = [t for t in map(parallel.on_rank_zero_replica, tensors) if t is not None]
-    return format_fingerprint(parallel.world_sum(bits_sum(mine, dtype), MOD))
+    return parallel.world_sum(bits_sum(mine, dtype), MOD)
 
 
 def check_served(served: str, trained: str, version: int) -> str:
