@@ -130,7 +130,7 @@ def test_parallel_benchmark_tiny(tmp_path: Path) -> None:
     assert result.returncode == 0, result.stderr[-2000:]
     assert "params + grads + AdamW per rank" in result.stdout and "bytes sent" in result.stdout
     figures = json.loads(out.read_text())
-    layouts, (full, lora) = figures["layouts"], figures["syncs"]
+    layouts, (full, lora, *sharded) = figures["layouts"], figures["syncs"]
     assert [(r["nproc"], r["parallel"]) for r in layouts] == [(1, "ddp"), (2, "ddp"), (2, "fsdp")]
     for run in layouts:
         assert len(run["peaks_mb"]) == run["nproc"] and min(run["peaks_mb"]) > 0, run
@@ -138,4 +138,5 @@ def test_parallel_benchmark_tiny(tmp_path: Path) -> None:
     assert layouts[0]["weight_bytes"] > 0 and layouts[0]["optimizer_bytes"] > 0
     assert full["sync_ms"] > 0 and lora["sync_ms"] > 0
     assert 0 < lora["weight_bytes"] < full["weight_bytes"]
+    assert [len(run["peaks_mb"]) for run in sharded] == [2, 2]
     assert _processes_with(f"CORUN_BENCHMARK_TAG={tag}".encode()) == []

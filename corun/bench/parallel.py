@@ -63,7 +63,16 @@ LAYOUTS = (("1 rank", 1, "ddp"), ("2 ranks, ddp", 2, "ddp"), ("2 ranks, fsdp", 2
 # the heap after the first and its high-water mark stays (measured: an fsdp rank's peak
 # above the 1-rank run's); a fixed threshold returns them to the system when freed.
 MALLOCS = {"glibc default": {}, "mmap threshold 1 MiB": {"MALLOC_MMAP_THRESHOLD_": "1048576"}}
-SYNCS = (("full weights", None), ("LoRA adapter", LORA))
+# hf_grpo's syncs: (label, [trainer] additions, ranks, run.parallel). The sharded ones
+# gather a sync in 64 MiB buckets (the default) or the whole model at once, which holds
+# a second whole copy on the rank: their peak memory shows what streaming saves.
+WHOLE = 1 << 40  # a bucket larger than any model: everything gathered before loading
+SYNCS: tuple[tuple[str, dict[str, Any], int, str], ...] = (
+    ("full weights", {}, 1, "ddp"),
+    ("LoRA adapter", {"lora": LORA}, 1, "ddp"),
+    ("full weights, 2 ranks fsdp, 64 MiB buckets", {}, 2, "fsdp"),
+    ("full weights, 2 ranks fsdp, gathered whole", {"sync_bucket_bytes": WHOLE}, 2, "fsdp"),
+)
 
 
 @dataclass(frozen=True)
@@ -305,13 +314,14 @@ def measure(settings: Settings, scratch: Path, note: Note) -> tuple[list[Run], l
             layouts.append(train(scratch, label, sft, nproc, parallel, settings.steps,
                                  settings.batch, malloc))  # fmt: skip
     syncs = []
-    for label, lora in SYNCS:
+    for label, extra, nproc, parallel in SYNCS:
         note(f"hf_grpo, {label}")
         grpo = {"kind": "hf_grpo", "model": spec, "engine": "local", "samples_per_prompt": 2,
-                "max_new_tokens": 8, "eval_size": 16}  # fmt: skip
-        if lora is not None:
-            grpo["lora"] = lora
-        syncs.append(train(scratch, label, grpo, 1, "ddp", settings.syncs, 2))
+                "max_new_tokens": 8, "eval_size": 16, **extra}  # fmt: skip
+        # A fixed mmap threshold: memory freed after a sync leaves the resident set, so
+        # the peak is the sync's, not a heap's high-water mark from training.
+        syncs.append(train(scratch, label, grpo, nproc, parallel, settings.syncs, 2 * nproc,
+                           "mmap threshold 1 MiB"))  # fmt: skip
     return layouts, syncs
 
 
@@ -361,11 +371,17 @@ def memory_table(settings: Settings, what: str, layouts: list[Run], load: str) -
 
 def sync_table(settings: Settings, what: str, syncs: list[Run], load: str) -> Table:
     full = syncs[0]
+
+    def sent(r: Run) -> int:  # a sharded run's checkpoint is not read: the same model
+        return r.weight_bytes or full.weight_bytes
+
     return Table(
         "parallel", "sync", f"hf_grpo weight sync, {what}: full weights vs LoRA adapter",
-        ["sync", "bytes sent, MB", "vs full", "sync ms (median)", "vs full", "peak RSS, MB"],
-        [[r.label, fmt(r.weight_bytes / MB, 2), f"{r.weight_bytes / full.weight_bytes:.4f}",
-          fmt(r.sync_ms, 1), f"{r.sync_ms / full.sync_ms:.2f}", fmt(max(r.peaks_mb), 0)]
+        ["sync", "bytes sent, MB", "vs full", "sync ms (median)", "vs full",
+         "peak RSS per rank, MB"],
+        [[r.label, fmt(sent(r) / MB, 2), f"{sent(r) / full.weight_bytes:.4f}",
+          fmt(r.sync_ms, 1), f"{r.sync_ms / full.sync_ms:.2f}",
+          " / ".join(fmt(p, 0) for p in r.peaks_mb)]
          for r in syncs],
         [(f"{r.label}: sync time", r.sync_ms / full.sync_ms) for r in syncs],
         "the full-weight sync, same model, same bench run",
@@ -373,7 +389,10 @@ def sync_table(settings: Settings, what: str, syncs: list[Run], load: str) -> Ta
          "attention projections. Bytes: the trained weights the run's checkpoint holds, "
          "which is what a sync sends (the adapter's tensors under [trainer.lora]); the "
          "time is the run's perf/sync_time_s (the load and the fingerprint check), after "
-         f"the first. {load}"],
+         "the first. The 2-rank rows: every rank's engine loads the whole model, gathered "
+         "from the shards in buckets as it reads, or all at once (a second whole copy); "
+         "each rank's peak RSS is its whole run's, under a fixed mmap threshold so that "
+         f"freed memory leaves it. {load}"],
     )  # fmt: skip
 
 
