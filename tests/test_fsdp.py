@@ -1,9 +1,10 @@
 """Sharded training under torchrun (``run.parallel = "fsdp"``, 2 CPU ranks, gloo) and
 its checkpoints, against one process:
 
-- hf_sft and hf_grpo at 2 ranks with FSDP2 equal one process on the same global batch
-  within test_distributed's tolerances (the ``ddp`` strategy, FSDP2 on a replicate
-  mesh, is test_distributed's own run of the hf kinds);
+- hf_sft, hf_grpo, and the TinyLM kinds sft, grpo and agentic_ppo, at 2 ranks with
+  FSDP2 equal one process on the same global batch within test_distributed's
+  tolerances (the ``ddp`` strategy, FSDP2 on a replicate mesh, is test_distributed's
+  own run of these kinds);
 - a sharded checkpoint (each rank writes its shards) resumes at 1 process, and a
   1-process checkpoint at 2 sharded ranks, equal to the straight runs;
 - a rank SIGKILLed while the ranks write their shards leaves the previous checkpoint
@@ -29,6 +30,7 @@ from corun.records import checkpoint
 from tests.support.corun_process import CorunRun
 from tests.support.processes import REPO
 from tests.test_distributed import (
+    KINDS,
     OTHER_KINDS,
     STEPS,
     _assert_gone,
@@ -43,6 +45,7 @@ from trainers.hf.tiny import build, built_in
 pytestmark = pytest.mark.slow
 
 
+ALL_KINDS = {**KINDS, **OTHER_KINDS}  # test_distributed's: sft and grpo are TinyLM's
 # hf_grpo's updates: windows of 2 batches, clipped to a global norm they exceed (~1),
 # so accumulation and the clip over every shard count. (Mini-batches slice each rank's
 # shard, so one process's same-sized mini-batch holds other rows: not comparable.)
@@ -59,20 +62,22 @@ def _sharded(kind: str, run_dir: Path, **run: Any) -> dict[str, Any]:
 
 
 def _trainer(kind: str) -> dict[str, Any]:
-    _, trainer = OTHER_KINDS[kind]
+    _, trainer = ALL_KINDS[kind]
     extra = {"grad_clip": 0.05} if kind == "hf_grpo" else {}
-    return {**trainer, "model": f"hf:{built_in().resolve()}", **extra}
+    if "model" in trainer:
+        extra["model"] = f"hf:{built_in().resolve()}"
+    return {**trainer, **extra}
 
 
 def _one(kind: str, run_dir: Path) -> Any:
-    cls, _ = OTHER_KINDS[kind]
+    cls, _ = ALL_KINDS[kind]
     loop = WINDOWS if kind == "hf_grpo" else {}
     return _one_process(kind, run_dir, {kind: (cls, _trainer(kind))}, loop)
 
 
 @pytest.mark.anyio
 @pytest.mark.parametrize("anyio_backend", ["asyncio"])  # the 2-rank run is a subprocess
-@pytest.mark.parametrize("kind", ["hf_sft", "hf_grpo"])
+@pytest.mark.parametrize("kind", ["hf_sft", "hf_grpo", "sft", "grpo", "agentic_ppo"])
 async def test_sharded_ranks_equal_one_process(
     tmp_path: Path, anyio_backend: str, kind: str
 ) -> None:
@@ -165,7 +170,7 @@ def _kill_while_writing(run_dir: Path, pid: int) -> None:
 
 def test_fsdp_for_a_kind_that_does_not_shard_is_refused(tmp_path: Path) -> None:
     cfg = tmp_path / "cfg.toml"
-    cfg.write_text(tomli_w.dumps({"trainer": {"kind": "sft"}, "run": {"nproc": 2}}))
+    cfg.write_text(tomli_w.dumps({"trainer": {"kind": "flow_pretrain"}, "run": {"nproc": 2}}))
     done = subprocess.run(
         [sys.executable, "-m", "corun", "train", str(cfg), "run.parallel=fsdp"],
         cwd=tmp_path, capture_output=True, text=True, timeout=60,

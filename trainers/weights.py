@@ -7,15 +7,15 @@ from __future__ import annotations
 
 import copy
 import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any, Generic, Protocol, Self, TypeVar
 
 import msgspec
 import torch
 from torch import Tensor, nn
 
-from corun import CheckpointError, SetupContext
-from corun.records.checkpoint import read
+from corun import CheckpointError, SetupContext, world
+from corun.records.checkpoint import read_whole
 from corun.records.prerequisites import checkpoint_for, is_config
 
 M = TypeVar("M", bound=nn.Module)
@@ -50,7 +50,7 @@ def warm_start(init_from: str, load: Callable[[dict[str, Any]], M], what: str) -
     """The model in a checkpoint, given its directory or its run's config; a checkpoint
     of something else is a usage error naming the path."""
     path = checkpoint_for(init_from)
-    _, tensors = read(path)
+    _, tensors = read_whole(path)
     try:
         return load(tensors["trainer"])
     except (KeyError, TypeError, ValueError, RuntimeError, msgspec.ValidationError) as exc:
@@ -182,3 +182,34 @@ class ReplicatedRollouts:
 
     def sync_weights(self, version: int) -> None:
         self.replicas.sync(self.rollout_weights(), version)
+
+
+def optimizer_state(
+    optimizer: torch.optim.Optimizer, modules: Mapping[str, nn.Module]
+) -> dict[str, Any]:  # fmt: skip
+    """``optimizer``'s state keyed by parameter name (``<module name>.<parameter>``),
+    every parameter's state present (a fresh optimizer's is initialised). Sharded
+    parameters' state is sharded too, and a checkpoint restores it into another world
+    size's shards by these names (corun/records/shards.py)."""
+    from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
+
+    return dict(get_optimizer_state_dict(nn.ModuleDict(dict(modules)), optimizer))
+
+
+def load_optimizer_state(
+    optimizer: torch.optim.Optimizer, modules: Mapping[str, nn.Module], saved: dict[str, Any]
+) -> None:
+    """Restore :func:`optimizer_state`; or an older checkpoint's, keyed by position."""
+    from torch.distributed.checkpoint.state_dict import set_optimizer_state_dict
+
+    if any(isinstance(key, int) for key in saved.get("state", {})):
+        optimizer.load_state_dict(saved)
+    else:
+        set_optimizer_state_dict(nn.ModuleDict(dict(modules)), optimizer, saved)
+
+
+def whole_copy(model: M) -> M | None:
+    """A copy of ``model`` to sample from when it is about to be sharded (world size >
+    1): the rollout side holds whole weights. None otherwise (it samples from the
+    trained model's own copies)."""
+    return copy.deepcopy(model) if world().parallel else None

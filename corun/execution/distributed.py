@@ -54,7 +54,10 @@ SUPPORTED = (
     "flow_pretrain, flow_grpo, pe_warmup, pe, unified_pretrain, unified"
 )
 # The kinds whose model shards (``shards_model = True``), for run.parallel = "fsdp".
-SHARDED = "hf_sft, hf_grpo, hf_ppo, hf_agentic_sft, hf_agentic, hf_agentic_ppo"
+SHARDED = (
+    "sft, grpo, ppo, agentic_sft, agentic, agentic_ppo, hf_sft, hf_grpo, hf_ppo, "
+    "hf_agentic_sft, hf_agentic, hf_agentic_ppo"
+)
 _POLL_S = 0.0005  # how often a pending collective is checked (and a stop noticed)
 _PR_SET_PDEATHSIG = 1
 # How long a rank whose peer vanished waits for its own stop request before it calls

@@ -15,6 +15,7 @@ from torch import Tensor
 from corun import Lane, RolloutContext, stable_seed
 from corun.agents.runner import Codec, Generated, TurnFn, run_episodes
 from corun.contract.episodes import Environment, Episode
+from corun.execution import parallel
 from trainers.agentic import calculator
 from trainers.agentic.calculator import CalculatorEnv, EnvSettings, Problem
 from trainers.lm.model import ModelConfig, TinyLM, decode
@@ -68,7 +69,8 @@ async def evaluate_agent(
 
     def greedy(transcripts: Tensor, width: int) -> Generated:
         policy.eval()
-        out = decode(policy, transcripts, width, stop_id=calculator.EOS)
+        with parallel.gathered(policy):  # decoding enters the model past its hooks
+            out = decode(policy, transcripts, width, stop_id=calculator.EOS)
         is_eos = out.tokens == calculator.EOS
         lengths = ((is_eos.cumsum(dim=1) - is_eos.long()) == 0).sum(dim=1)
         return Generated(out.tokens, out.logprobs, out.versions.expand_as(out.tokens), lengths)

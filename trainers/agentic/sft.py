@@ -24,7 +24,7 @@ from corun import (
 from trainers.agentic import calculator
 from trainers.agentic.calculator import EnvSettings, Problem, Problems
 from trainers.agentic.policy import build_agent, calculator_env, evaluate_agent
-from trainers.lm.policy import load_policy_state, policy_state
+from trainers.lm.policy import load_policy_state, policy_state, sharded
 from trainers.lm.sft import masked_loss_sum
 from trainers.lm.tasks import TokenBatch
 
@@ -79,10 +79,11 @@ def encode_demonstrations(problems: list[Problem]) -> TokenBatch:
 class AgenticSFTTrainer(Trainer[AgenticSFTConfig]):
     Config = AgenticSFTConfig
     data_parallel = True
+    shards_model = True  # run.parallel = "fsdp"
 
     def setup(self, ctx: SetupContext) -> None:
         cfg = self.config
-        self.model = build_agent(cfg)
+        self.model = sharded(build_agent(cfg), ctx.config.run.parallel)
         self.optimizer = torch.optim.AdamW(
             self.model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay
         )

@@ -37,7 +37,6 @@ from corun.contract.engine import Engine, Generation, Sampling
 from corun.engines.decode import left_pad
 from corun.engines.options import EngineOptions
 from corun.engines.start import EngineKind, check_engine, start_engine
-from corun.execution import parallel
 from trainers.hf import lora, sync
 from trainers.hf.evaluation import evaluate
 from trainers.hf.policy import ChatFormat, HFPolicy
@@ -161,27 +160,11 @@ class HFRollouts(PolicyGradientTrainer[Any]):
 
     # ---- sync: verified by the engine's fingerprint (trainers/hf/sync.py)
     async def sync_weights(self, version: int) -> str:
-        if parallel.is_sharded(self.policy):
-            fingerprint = await self._sync_shards(version)
-        else:
-            mode = self.run_config.loop.compute
-            fingerprint = await sync.sync(self.engine, self.policy, self.config, version, mode)
-        self.fingerprints[version] = fingerprint
-        return fingerprint
-
-    async def _sync_shards(self, version: int) -> str:
-        """Each rank's engine loads the whole weights (or adapter), gathered from the
-        shards as it reads them: collectives in the same order on every rank, on the
-        train lane (which the engine shares at concurrency 1)."""
-        trained, payload = await _on_lane(self.train_lane, self._gather)
-        await sync.send(self.engine, payload, version)
-        return sync.check_served(await self.engine.fingerprint(), trained, version)
-
-    def _gather(self) -> tuple[str, Any]:
-        return (
-            sync.trained_fingerprint(self.engine, self.policy, self.config),
-            sync.sharded_payload(self.engine, self.policy, self.config),
-        )
+        self.fingerprints[version] = await sync.sync(
+            self.engine, self.policy, self.config, version, self.train_lane,
+            self.run_config.loop.compute,
+        )  # fmt: skip
+        return self.fingerprints[version]
 
     async def _started_weights(self) -> str:
         """The fingerprint the started engine reports (with its first adapter, under

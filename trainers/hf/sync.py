@@ -27,10 +27,11 @@ from torch import Tensor
 
 from corun.base.config import LoopConfig
 from corun.contract.engine import Adapter, AdapterEngine, Engine, EngineError
-from corun.engines.fingerprint import MOD, bits_sum, format_fingerprint, sync_verified
+from corun.engines.fingerprint import MOD, bits_sum, format_fingerprint
 from corun.engines.lora import takes_adapters
 from corun.engines.options import EngineOptions, engine_dtype
 from corun.execution import parallel
+from corun.execution.compute import ComputeMode, Lane, blocking_io
 from trainers.hf.lora import adapter, is_lora, merged_weights
 from trainers.hf.policy import HFPolicy
 
@@ -51,28 +52,39 @@ def sends_adapter(engine: Engine, policy: HFPolicy) -> bool:
 
 
 async def sync(
-    engine: Engine, policy: HFPolicy, config: Any, version: int, mode: Any
+    engine: Engine, policy: HFPolicy, config: Any, version: int, lane: Lane | None,
+    mode: ComputeMode,
 ) -> str:  # fmt: skip
     """Send ``policy``'s trained weights (or adapter) to ``engine`` as ``version`` and
-    check its fingerprint; returns it. Unsharded only (:func:`sharded_payload` and
-    :func:`send` otherwise)."""
-    dtype = engine_dtype(config.engine_options)
-    if sends_adapter(engine, policy):
-        return await sync_verified(
-            engine, policy.weights(), version, mode=mode, dtype=dtype, adapter=adapter(policy)
-        )
-    weights = merged_weights(policy) if is_lora(policy) else policy.weights()
-    return await sync_verified(engine, weights, version, mode=mode, dtype=dtype)
+    check the engine's fingerprint against the trained one; returns it. A sharded
+    policy gathers on ``lane`` (collectives in the same order on every rank, beside
+    nothing else: the engine shares the train lane at concurrency 1), a whole one sums
+    in a worker thread."""
+    if parallel.is_sharded(policy):
+        trained, payload = await _call(lane, _prepared, engine, policy, config)
+    else:
+        trained, payload = await blocking_io(mode, _prepared, engine, policy, config)
+    await send(engine, payload, version)
+    return check_served(await engine.fingerprint(), trained, version)
 
 
-def sharded_payload(
+def _prepared(
     engine: Engine, policy: HFPolicy, config: Any
-) -> Adapter | Mapping[str, Tensor]:  # fmt: skip
-    """What a sharded policy's sync sends (gathering: every rank builds it together):
-    its adapter whole, or its weights gathered as they are read."""
+) -> tuple[str, Adapter | Mapping[str, Tensor]]:  # fmt: skip
+    """The trained fingerprint, and what to send: the adapter, merged weights (LoRA to an
+    engine without adapters) or the weights, gathered as read when sharded."""
+    trained = trained_fingerprint(engine, policy, config)
     if sends_adapter(engine, policy):
-        return adapter(policy)
-    return parallel.GatheredState(policy.weights(), config.sync_bucket_bytes)
+        return trained, adapter(policy)
+    if is_lora(policy):
+        return trained, merged_weights(policy)
+    if parallel.is_sharded(policy):
+        return trained, parallel.GatheredState(policy.weights(), config.sync_bucket_bytes)
+    return trained, policy.weights()
+
+
+async def _call(lane: Lane | None, fn: Any, *args: Any) -> Any:
+    return fn(*args) if lane is None else await lane.run(fn, *args)
 
 
 async def send(engine: Engine, payload: Adapter | Mapping[str, Tensor], version: int) -> None:

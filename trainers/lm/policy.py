@@ -3,18 +3,20 @@ checkpoint, held-out greedy evaluation, and per-token log-probs of responses."""
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any, Protocol
 
 import msgspec
 import torch
 import torch.nn.functional as F
-from torch import Tensor
+from torch import Tensor, nn
 
 from corun.base.errors import CheckpointError
+from corun.execution import parallel
 from trainers.lm.engine import Rollouts
 from trainers.lm.model import ModelConfig, TinyLM
 from trainers.lm.tasks import EOS, MAX_LEN, VOCAB_SIZE, Task, decode_responses, encode_prompts
-from trainers.weights import rebuild, warm_start
+from trainers.weights import load_optimizer_state, optimizer_state, rebuild, warm_start
 
 
 def build_policy(d_model: int, n_layers: int, n_heads: int) -> TinyLM:
@@ -36,14 +38,25 @@ def policy_from(init_from: str) -> TinyLM:
     return warm_start(init_from, load_policy, "TinyLM policy")
 
 
+def sharded(model: TinyLM, strategy: parallel.Strategy) -> TinyLM:
+    """``model`` spread over the torchrun ranks (FSDP2, a unit per block; nothing at
+    world size 1). Before building its optimizer: sharding replaces the parameters."""
+    parallel.parallelize(
+        model, strategy=strategy, blocks=list(model.blocks), methods=("hidden", "head")
+    )
+    return model
+
+
 def policy_state(
-    model: TinyLM, optimizer: torch.optim.Optimizer, task: str, **extra: Any
-) -> dict[str, Any]:
-    """A trainer's resumable state around a TinyLM: live tensors, so the runtime
-    snapshots them before the next step changes them."""
+    model: TinyLM, optimizer: torch.optim.Optimizer, task: str,
+    modules: Mapping[str, nn.Module] = {}, **extra: Any,
+) -> dict[str, Any]:  # fmt: skip
+    """A trainer's resumable state around a TinyLM (and ``modules`` its optimizer trains
+    beside it): live tensors, so the runtime snapshots them before the next step
+    changes them."""
     return {
         "model": model.state_dict(),
-        "optimizer": optimizer.state_dict(),
+        "optimizer": optimizer_state(optimizer, {"policy": model, **modules}),
         "model_config": msgspec.structs.asdict(model.config),
         "task": task,
         **extra,
@@ -51,8 +64,9 @@ def policy_state(
 
 
 def load_policy_state(
-    state: dict[str, Any], model: TinyLM, optimizer: torch.optim.Optimizer, task: str
-) -> None:
+    state: dict[str, Any], model: TinyLM, optimizer: torch.optim.Optimizer, task: str,
+    modules: Mapping[str, nn.Module] = {},
+) -> None:  # fmt: skip
     """Restore :func:`policy_state`; a checkpoint of another shape or task is refused."""
     saved = state.get("model_config"), state.get("task")
     ours = msgspec.structs.asdict(model.config), task
@@ -62,7 +76,7 @@ def load_policy_state(
             f"this run builds {ours[0]} on task {ours[1]!r}"
         )
     model.load_state_dict(state["model"])
-    optimizer.load_state_dict(state["optimizer"])
+    load_optimizer_state(optimizer, {"policy": model, **modules}, state["optimizer"])
 
 
 class HeldOutEval:
@@ -80,7 +94,8 @@ class HeldOutEval:
     def __call__(self, model: TinyLM) -> dict[str, float]:
         was_training = model.training
         model.eval()
-        new_ids = model.generate(self.prompt_ids, self.task.max_answer_len + 1, stop_id=EOS)
+        with parallel.gathered(model):  # decoding enters the model past its hooks
+            new_ids = model.generate(self.prompt_ids, self.task.max_answer_len + 1, stop_id=EOS)
         model.train(was_training)
         responses = decode_responses(new_ids)
         exact = reward = 0.0

@@ -15,6 +15,7 @@ from msgspec.structs import asdict
 from torch import Tensor
 
 from corun import Batch, Dataset, RolloutContext, SetupContext
+from corun.execution import parallel
 from trainers.lm.engine import LocalEngine, Rollouts
 from trainers.lm.model import TinyLM
 from trainers.lm.policy import (
@@ -24,10 +25,11 @@ from trainers.lm.policy import (
     load_policy_state,
     policy_from,
     policy_state,
+    sharded,
 )
 from trainers.lm.policy_gradient import C, PolicyGradientTrainer, Scored
 from trainers.lm.tasks import TASKS, Task, TaskData, decode_responses, encode_prompts
-from trainers.weights import Replicas, ReplicatedRollouts
+from trainers.weights import Replicas, ReplicatedRollouts, whole_copy
 
 
 class TinyLMPolicyGradient(ReplicatedRollouts, PolicyGradientTrainer[C]):
@@ -36,14 +38,24 @@ class TinyLMPolicyGradient(ReplicatedRollouts, PolicyGradientTrainer[C]):
 
     policy: TinyLM
     replicas: Replicas[LocalEngine]
+    engine_source: TinyLM | None = None
+
+    # Under torchrun the policy may shard (run.parallel = "fsdp"); its engine samples
+    # from a whole copy, and a sync gathers the shards into it.
+    shards_model = True
 
     def setup(self, ctx: SetupContext) -> None:
         self.build(ctx)
+        source, self.engine_source = self.engine_source or self.policy, None
         self.replicas = Replicas(
-            LocalEngine(self.policy), self._engine_replica, LocalEngine.update_weights,
-            initial=self.policy.state_dict(), ctx=ctx,
+            LocalEngine(source), self._engine_replica, LocalEngine.update_weights,
+            initial=self.rollout_weights(), ctx=ctx,
         )  # fmt: skip
         self.engine = self.replicas.home
+
+    def trained_policy(self, policy: TinyLM) -> TinyLM:
+        self.engine_source = whole_copy(policy)
+        return sharded(policy, self.run_config.run.parallel)
 
     def initial_policy(self) -> TinyLM:
         raise NotImplementedError
@@ -58,7 +70,13 @@ class TinyLMPolicyGradient(ReplicatedRollouts, PolicyGradientTrainer[C]):
     # Rollout workers in other processes (corun/scale/ray_workers.py): what a publish sends,
     # and where a worker's trainer puts it (its engine, updated in place).
     def rollout_weights(self) -> dict[str, Tensor]:
-        return self.policy.state_dict()
+        """The trained weights; when sharded, gathered whole (every rank together)."""
+        state = self.policy.state_dict()
+        return (
+            dict(parallel.GatheredState(state).items())
+            if parallel.is_sharded(self.policy)
+            else state
+        )
 
     def load_rollout_weights(self, state: dict[str, Tensor], version: int) -> None:
         self.replicas.sync(state, version)
@@ -69,10 +87,12 @@ class TinyLMPolicyGradient(ReplicatedRollouts, PolicyGradientTrainer[C]):
 
     def state_dict(self) -> dict[str, Any]:
         extra = self.modules_state()
-        return policy_state(self.policy, self.optimizer, self.config.task, extra=extra)
+        return policy_state(self.policy, self.optimizer, self.config.task,
+                            self.extra_modules, extra=extra)  # fmt: skip
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        load_policy_state(state, self.policy, self.optimizer, self.config.task)
+        load_policy_state(state, self.policy, self.optimizer, self.config.task,
+                          self.extra_modules)  # fmt: skip
         self.load_modules_state(state)
 
 

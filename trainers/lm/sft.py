@@ -31,6 +31,7 @@ from trainers.lm.policy import (
     load_policy,
     load_policy_state,
     policy_state,
+    sharded,
 )
 from trainers.lm.settings import LMTrainerConfig, NonNegativeFloat, PositiveInt
 from trainers.lm.tasks import (
@@ -76,12 +77,14 @@ class SFTRecord(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
 class SFTTrainer(Trainer[SFTConfig]):
     Config = SFTConfig
     data_parallel = True
+    shards_model = True  # run.parallel = "fsdp"
 
     def setup(self, ctx: SetupContext) -> None:
         # The runtime has seeded the global RNGs with run.seed: the model init draws from them.
         cfg = self.config
         self.task = TASKS[cfg.task]
-        self.model = build_policy(cfg.d_model, cfg.n_layers, cfg.n_heads)
+        self.model = sharded(build_policy(cfg.d_model, cfg.n_layers, cfg.n_heads),
+                             ctx.config.run.parallel)  # fmt: skip
         self.setup_optimizer(ctx)
         # Built once: the held-out set is fixed, and building it draws no global randomness.
         self.held_out = HeldOutEval(self.task, cfg.eval_size)
