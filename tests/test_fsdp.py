@@ -1,10 +1,9 @@
 """Sharded training under torchrun (``run.parallel = "fsdp"``, 2 CPU ranks, gloo) and
 its checkpoints, against one process:
 
-- hf_sft, hf_grpo, and the TinyLM kinds sft, grpo and agentic_ppo, at 2 ranks with
-  FSDP2 equal one process on the same global batch within test_distributed's
-  tolerances (the ``ddp`` strategy, FSDP2 on a replicate mesh, is test_distributed's
-  own run of these kinds);
+- every family's kinds at 2 ranks with FSDP2 equal one process on the same global
+  batch within test_distributed's tolerances (the ``ddp`` strategy, FSDP2 on a
+  replicate mesh, is test_distributed's own run of every kind);
 - a sharded checkpoint (each rank writes its shards) resumes at 1 process, and a
   1-process checkpoint at 2 sharded ranks, equal to the straight runs;
 - a rank SIGKILLed while the ranks write their shards leaves the previous checkpoint
@@ -25,6 +24,7 @@ from typing import Any
 
 import pytest
 import tomli_w
+import torch
 
 from corun.records import checkpoint
 from tests.support.corun_process import CorunRun
@@ -46,6 +46,14 @@ pytestmark = pytest.mark.slow
 
 
 ALL_KINDS = {**KINDS, **OTHER_KINDS}  # test_distributed's: sft and grpo are TinyLM's
+# Each family in CI (an hf policy, a TinyLM, the unified model whose image track is a
+# FlowDiT entered directly); the other kinds with -m long (docs/testing.md).
+LONG = pytest.mark.long
+SHARDED_KINDS = [
+    "hf_sft", "hf_grpo", "grpo", "unified",
+    *(pytest.param(kind, marks=LONG) for kind in ("sft", "agentic_ppo", "flow_grpo", "pe",
+                                                   "pe_warmup", "flow_pretrain")),
+]  # fmt: skip
 # hf_grpo's updates: windows of 2 batches, clipped to a global norm they exceed (~1),
 # so accumulation and the clip over every shard count. (Mini-batches slice each rank's
 # shard, so one process's same-sized mini-batch holds other rows: not comparable.)
@@ -69,15 +77,19 @@ def _trainer(kind: str) -> dict[str, Any]:
     return {**trainer, **extra}
 
 
-def _one(kind: str, run_dir: Path) -> Any:
+async def _one(kind: str, run_dir: Path) -> None:
     cls, _ = ALL_KINDS[kind]
     loop = WINDOWS if kind == "hf_grpo" else {}
-    return _one_process(kind, run_dir, {kind: (cls, _trainer(kind))}, loop)
+    dtype = torch.get_default_dtype()
+    try:  # pe's set-up makes float64 the default
+        await _one_process(kind, run_dir, {kind: (cls, _trainer(kind))}, loop)
+    finally:
+        torch.set_default_dtype(dtype)
 
 
 @pytest.mark.anyio
 @pytest.mark.parametrize("anyio_backend", ["asyncio"])  # the 2-rank run is a subprocess
-@pytest.mark.parametrize("kind", ["hf_sft", "hf_grpo", "sft", "grpo", "agentic_ppo"])
+@pytest.mark.parametrize("kind", SHARDED_KINDS)
 async def test_sharded_ranks_equal_one_process(
     tmp_path: Path, anyio_backend: str, kind: str
 ) -> None:
@@ -170,7 +182,8 @@ def _kill_while_writing(run_dir: Path, pid: int) -> None:
 
 def test_fsdp_for_a_kind_that_does_not_shard_is_refused(tmp_path: Path) -> None:
     cfg = tmp_path / "cfg.toml"
-    cfg.write_text(tomli_w.dumps({"trainer": {"kind": "flow_pretrain"}, "run": {"nproc": 2}}))
+    kind = "tests.support.dp_trainers:UnshardedSFT"
+    cfg.write_text(tomli_w.dumps({"trainer": {"kind": kind}, "run": {"nproc": 2}}))
     done = subprocess.run(
         [sys.executable, "-m", "corun", "train", str(cfg), "run.parallel=fsdp"],
         cwd=tmp_path, capture_output=True, text=True, timeout=60,

@@ -15,6 +15,7 @@ import torch
 from torch import Tensor, nn
 
 from corun import CheckpointError, SetupContext, world
+from corun.execution import parallel
 from corun.records.checkpoint import read_whole
 from corun.records.prerequisites import checkpoint_for, is_config
 
@@ -213,3 +214,12 @@ def whole_copy(model: M) -> M | None:
     1): the rollout side holds whole weights. None otherwise (it samples from the
     trained model's own copies)."""
     return copy.deepcopy(model) if world().parallel else None
+
+
+def gathered_state(model: nn.Module) -> State:
+    """``model``'s state dict with whole tensors: gathered from every rank's shards when
+    it is sharded (a collective: every rank calls it together), as it is otherwise."""
+    state = model.state_dict()
+    if not parallel.is_sharded(model):
+        return state
+    return dict(parallel.GatheredState(state).items())

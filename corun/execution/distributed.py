@@ -53,11 +53,6 @@ SUPPORTED = (
     "sft, grpo, ppo, agentic_sft, agentic, agentic_ppo, hf_sft, hf_grpo, hf_ppo, "
     "flow_pretrain, flow_grpo, pe_warmup, pe, unified_pretrain, unified"
 )
-# The kinds whose model shards (``shards_model = True``), for run.parallel = "fsdp".
-SHARDED = (
-    "sft, grpo, ppo, agentic_sft, agentic, agentic_ppo, hf_sft, hf_grpo, hf_ppo, "
-    "hf_agentic_sft, hf_agentic, hf_agentic_ppo"
-)
 _POLL_S = 0.0005  # how often a pending collective is checked (and a stop noticed)
 _PR_SET_PDEATHSIG = 1
 # How long a rank whose peer vanished waits for its own stop request before it calls
@@ -173,7 +168,7 @@ def check_supported(trainer: Any, config: Config, size: int) -> None:
     if config.run.parallel == "fsdp" and not getattr(trainer, "shards_model", False):
         raise ConfigError(
             f'`$.run.parallel` = "fsdp": `$.trainer.kind` = {kind!r} does not shard its '
-            f'model; the hf kinds do ({SHARDED}) — use run.parallel = "ddp"'
+            'model (shards_model); every built-in kind does — use run.parallel = "ddp"'
         )
     if config.loop.concurrency > 1:
         raise ConfigError(

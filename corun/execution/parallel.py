@@ -95,12 +95,20 @@ def parallelize(
     )
 
     place = mesh(strategy)
-    precision = MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32)
+    # float32: each parameter computes and reduces in its own dtype (a float64 model
+    # stays float64); a lower precision computes in it and reduces in float32.
+    lower = dtype != torch.float32
+    precision = MixedPrecisionPolicy(
+        param_dtype=dtype if lower else None, reduce_dtype=torch.float32 if lower else None
+    )
     for block in blocks:
         fully_shard(block, mesh=place, mp_policy=precision)
     fully_shard(module, mesh=place, mp_policy=precision)
     for name in methods:
         register_fsdp_forward_method(module, name)
+    # ``module`` the root of its units now, as its first forward would make it: a unit
+    # entered first (a submodule called directly) would otherwise take that role.
+    module._get_fsdp_state()._lazy_init()  # type: ignore[operator]
     return module
 
 
@@ -147,9 +155,6 @@ def gathered(module: nn.Module) -> Iterator[None]:
     if not is_sharded(module):
         yield
         return
-    # Make ``module`` the root of its sharded blocks, as its first forward would: a
-    # block entered first would otherwise take that role itself.
-    module._get_fsdp_state()._lazy_init()  # type: ignore[operator]
     module.unshard()  # type: ignore[operator]
     try:
         yield

@@ -23,6 +23,7 @@ from trainers.hf.rl import HFGRPOTrainer, HFPPOTrainer
 from trainers.lm.engine import Rollouts
 from trainers.lm.grpo import GRPOTrainer
 from trainers.lm.ppo import PPOTrainer
+from trainers.lm.sft import SFTTrainer
 from trainers.lm.tasks import PAD, TokenBatch
 from trainers.pe.rl import PromptEnhancerTrainer
 from trainers.pe.warmup import PEWarmupTrainer
@@ -150,6 +151,12 @@ class TwoShardAgentic(TwoShardsAsync, AgenticGRPOTrainer):
 
 class TwoShardAgenticPPO(TwoShardsAsync, AgenticPPOTrainer):
     pass
+
+
+class UnshardedSFT(SFTTrainer):
+    """A data-parallel trainer whose model is not sharded (a user's, say)."""
+
+    shards_model = False
 
 
 class TwoShardHFGRPO(TwoShardsAsync, HFGRPOTrainer):

@@ -10,16 +10,22 @@ from typing import Any, TypeVar
 import torch
 
 from corun import ConfigError, Dataset, Image, SetupContext, Trainer
+from corun.execution import parallel
 from trainers.diffusion.evaluation import HeldOutEval
 from trainers.diffusion.model import FlowDiT, load_model_state, model_state
 from trainers.diffusion.settings import FlowTrainerConfig
 from trainers.diffusion.shapes import ShapeData
+from trainers.weights import whole_copy
 
 C = TypeVar("C", bound=FlowTrainerConfig)
 
 
 class FlowTrainer(Trainer[C]):
     model: FlowDiT
+    # Whether finish_setup shards the model under torchrun (run.parallel); the prompt
+    # enhancer, which trains a text policy beside it, does not yet.
+    shards_model = False
+    sampler_source: FlowDiT | None = None  # a whole copy, when the model is sharded
     # Scale of the data's random offsets (shapes.render); pretraining sets its own.
     jitter: float = 1.0
 
@@ -27,6 +33,11 @@ class FlowTrainer(Trainer[C]):
         """The optimizer over ``self.model`` (the subclass registers it, if it trains the
         model) and the held-out evaluation."""
         cfg = self.config
+        if self.shards_model:  # run.parallel = "fsdp": a unit per block
+            self.sampler_source = whole_copy(self.model)  # sampling holds whole weights
+            parallel.parallelize(
+                self.model, strategy=ctx.config.run.parallel, blocks=list(self.model.blocks)
+            )
         self.optimizer = torch.optim.AdamW(
             self.model.parameters(), lr=lr, weight_decay=cfg.weight_decay
         )

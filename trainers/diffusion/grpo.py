@@ -28,7 +28,14 @@ from trainers.diffusion.flow_rl import (
 from trainers.diffusion.model import FlowDiT, build_model, load_model, model_from
 from trainers.diffusion.settings import FlowTrainerConfig
 from trainers.diffusion.shapes import ShapeBatch
-from trainers.weights import Replicas, ReplicatedRollouts, frozen_copy, kl_anchor, warm_start_runs
+from trainers.weights import (
+    Replicas,
+    ReplicatedRollouts,
+    frozen_copy,
+    gathered_state,
+    kl_anchor,
+    warm_start_runs,
+)
 
 
 class FlowGRPOConfig(FlowTrainerConfig, frozen=True, forbid_unknown_fields=True, kw_only=True):
@@ -46,6 +53,7 @@ class FlowGRPOConfig(FlowTrainerConfig, frozen=True, forbid_unknown_fields=True,
 
 class FlowGRPOTrainer(ReplicatedRollouts, FlowTrainer[FlowGRPOConfig]):
     Config = FlowGRPOConfig
+    shards_model = True  # run.parallel = "fsdp": its sampler holds whole weights
     # Under torchrun each rank samples whole groups (its shard of the prompts), and the
     # loss is a mean over every rank's images (shared_count).
     data_parallel = True
@@ -62,9 +70,10 @@ class FlowGRPOTrainer(ReplicatedRollouts, FlowTrainer[FlowGRPOConfig]):
         ctx.add_optimizer(self.optimizer, grad_clip=cfg.grad_clip)
         # The sampler is the rollout engine: its own weights, replaced only by a sync.
         # Rollout workers on other threads (concurrency > 1) use replicas of it.
+        whole, self.sampler_source = self.sampler_source or self.model, None
         self.replicas: Replicas[FlowDiT] = Replicas(
-            frozen_copy(self.model), sampler_replica(self.model), load_weights,
-            initial=self.model.state_dict(), ctx=ctx,
+            frozen_copy(whole), sampler_replica(whole), load_weights,
+            initial=self.rollout_weights(), ctx=ctx,
         )  # fmt: skip
         self.sampler = self.replicas.home
 
@@ -97,7 +106,8 @@ class FlowGRPOTrainer(ReplicatedRollouts, FlowTrainer[FlowGRPOConfig]):
 
     # ---- sync: the sampler takes the trained weights
     def rollout_weights(self) -> dict[str, Tensor]:
-        return self.model.state_dict()
+        """The trained weights; when sharded, gathered whole (every rank together)."""
+        return gathered_state(self.model)
 
 
 def sampler_replica(model: FlowDiT) -> Any:

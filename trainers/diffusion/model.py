@@ -26,7 +26,7 @@ from torch import Tensor, nn
 
 from corun.base.errors import CheckpointError
 from trainers.diffusion.shapes import IMAGE_SIZE, PROMPT_LEN, VOCAB_SIZE
-from trainers.weights import rebuild, warm_start
+from trainers.weights import load_optimizer_state, optimizer_state, rebuild, warm_start
 
 Size = Annotated[int, msgspec.Meta(ge=1)]
 
@@ -168,7 +168,7 @@ def model_state(model: FlowDiT, optimizer: torch.optim.Optimizer, **extra: Any) 
     snapshots them before the next step changes them."""
     return {
         "model": model.state_dict(),
-        "optimizer": optimizer.state_dict(),
+        "optimizer": optimizer_state(optimizer, {"model": model}),
         "model_config": msgspec.structs.asdict(model.config),
         **extra,
     }
@@ -182,4 +182,4 @@ def load_model_state(
     if saved != ours:
         raise CheckpointError(f"checkpoint is for model {saved}, this run builds {ours}")
     model.load_state_dict(state["model"])
-    optimizer.load_state_dict(state["optimizer"])
+    load_optimizer_state(optimizer, {"model": model}, state["optimizer"])

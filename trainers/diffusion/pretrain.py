@@ -68,6 +68,7 @@ def flow_batch(data: ShapeBatch, generator: torch.Generator, cond_dropout: float
 class FlowPretrainTrainer(FlowTrainer[FlowPretrainConfig]):
     Config = FlowPretrainConfig
     data_parallel = True  # the loss is a mean over every rank's pixels (shared_count)
+    shards_model = True  # run.parallel = "fsdp"
 
     def setup(self, ctx: SetupContext) -> None:
         # The runtime has seeded the global RNGs with run.seed: the model init draws from them.

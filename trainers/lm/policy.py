@@ -4,7 +4,7 @@ checkpoint, held-out greedy evaluation, and per-token log-probs of responses."""
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import Any, Protocol
+from typing import Any, Protocol, TypeVar
 
 import msgspec
 import torch
@@ -38,7 +38,10 @@ def policy_from(init_from: str) -> TinyLM:
     return warm_start(init_from, load_policy, "TinyLM policy")
 
 
-def sharded(model: TinyLM, strategy: parallel.Strategy) -> TinyLM:
+L = TypeVar("L", bound=TinyLM)
+
+
+def sharded(model: L, strategy: parallel.Strategy) -> L:
     """``model`` spread over the torchrun ranks (FSDP2, a unit per block; nothing at
     world size 1). Before building its optimizer: sharding replaces the parameters."""
     parallel.parallelize(

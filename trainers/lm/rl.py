@@ -15,7 +15,6 @@ from msgspec.structs import asdict
 from torch import Tensor
 
 from corun import Batch, Dataset, RolloutContext, SetupContext
-from corun.execution import parallel
 from trainers.lm.engine import LocalEngine, Rollouts
 from trainers.lm.model import TinyLM
 from trainers.lm.policy import (
@@ -29,7 +28,7 @@ from trainers.lm.policy import (
 )
 from trainers.lm.policy_gradient import C, PolicyGradientTrainer, Scored
 from trainers.lm.tasks import TASKS, Task, TaskData, decode_responses, encode_prompts
-from trainers.weights import Replicas, ReplicatedRollouts, whole_copy
+from trainers.weights import Replicas, ReplicatedRollouts, gathered_state, whole_copy
 
 
 class TinyLMPolicyGradient(ReplicatedRollouts, PolicyGradientTrainer[C]):
@@ -71,12 +70,7 @@ class TinyLMPolicyGradient(ReplicatedRollouts, PolicyGradientTrainer[C]):
     # and where a worker's trainer puts it (its engine, updated in place).
     def rollout_weights(self) -> dict[str, Tensor]:
         """The trained weights; when sharded, gathered whole (every rank together)."""
-        state = self.policy.state_dict()
-        return (
-            dict(parallel.GatheredState(state).items())
-            if parallel.is_sharded(self.policy)
-            else state
-        )
+        return gathered_state(self.policy)
 
     def load_rollout_weights(self, state: dict[str, Tensor], version: int) -> None:
         self.replicas.sync(state, version)

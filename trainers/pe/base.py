@@ -11,15 +11,16 @@ import msgspec
 import torch
 
 from corun import CheckpointError, ConfigError, Dataset, Image, SetupContext
+from corun.execution import parallel
 from trainers.diffusion.base import FlowTrainer
 from trainers.diffusion.model import build_model, model_from
 from trainers.diffusion.settings import FlowTrainerConfig, NonNegativeFloat
 from trainers.diffusion.shapes import captions
 from trainers.lm.model import decode
-from trainers.lm.policy import load_policy_state, policy_state
+from trainers.lm.policy import load_policy_state, policy_state, sharded
 from trainers.pe.prompts import EOS, REWRITE_LEN, UserData, eval_users, flow_tokens
-from trainers.pe.rewriter import build_rewriter, rewriter_from
-from trainers.weights import warm_start_runs
+from trainers.pe.rewriter import RewriterLM, build_rewriter, rewriter_from
+from trainers.weights import warm_start_runs, whole_copy
 
 PositiveInt = Annotated[int, msgspec.Meta(ge=1)]
 PositiveFloat = Annotated[float, msgspec.Meta(gt=0)]
@@ -57,6 +58,8 @@ C = TypeVar("C", bound=PEBaseConfig)
 class PEBase(FlowTrainer[C]):
     # Training prompts in plain words only (the warm-up), or with synonyms (RL).
     plain_prompts: ClassVar[bool] = False
+    shards_model = True  # both models, under run.parallel = "fsdp"
+    engine_source: RewriterLM | None = None  # a whole copy of the text policy, when sharded
 
     def prerequisites(self) -> list[str]:
         return warm_start_runs(self.config.init_from, self.config.text_init_from)
@@ -68,9 +71,11 @@ class PEBase(FlowTrainer[C]):
         self.model = model_from(cfg.init_from) if cfg.init_from else build_model(cfg.model_config())
         self.finish_setup(ctx, self.image_lr())
         if cfg.text_init_from:
-            self.policy = rewriter_from(cfg.text_init_from)
+            policy = rewriter_from(cfg.text_init_from)
         else:
-            self.policy = build_rewriter(cfg.text_d_model, cfg.text_n_layers, cfg.text_n_heads)
+            policy = build_rewriter(cfg.text_d_model, cfg.text_n_layers, cfg.text_n_heads)
+        self.engine_source = whole_copy(policy)  # the rollout side holds whole weights
+        self.policy = sharded(policy, ctx.config.run.parallel)
         self.text_optimizer = torch.optim.AdamW(self.policy.parameters(), lr=cfg.text_lr)
         ctx.add_optimizer(self.text_optimizer, grad_clip=cfg.text_grad_clip, name="text")
         self.eval_users = eval_users(self.held_out.tokens)
@@ -95,7 +100,8 @@ class PEBase(FlowTrainer[C]):
         cfg, users = self.config, self.eval_users
         self.policy.eval()
         self.model.eval()
-        ids = decode(self.policy, users.prompt_ids, REWRITE_LEN, stop_id=EOS).tokens
+        with parallel.gathered(self.policy):  # decoding enters the model past its hooks
+            ids = decode(self.policy, users.prompt_ids, REWRITE_LEN, stop_id=EOS).tokens
         rewrites = flow_tokens(ids)
         labels = [f"{u} -> {r}" for u, r in zip(users.texts, captions(rewrites), strict=True)]
         hits = (rewrites == users.targets).float()

@@ -44,7 +44,7 @@ from trainers.pe.base import PEBase, PEBaseConfig, PositiveFloat
 from trainers.pe.prompts import REWRITE_LEN, UserBatch, flow_tokens
 from trainers.pe.rewriter import load_rewriter, rewrite_logprobs
 from trainers.pg import aggregate, clipped_surrogate, group_advantages, zero_std_groups
-from trainers.weights import Replicas, ReplicatedRollouts, frozen_copy, kl_anchor
+from trainers.weights import Replicas, ReplicatedRollouts, frozen_copy, gathered_state, kl_anchor
 
 NonNegativeFloat = Annotated[float, msgspec.Meta(ge=0)]
 
@@ -86,11 +86,14 @@ class PromptEnhancerTrainer(ReplicatedRollouts, PEBase[PromptEnhancerConfig]):
         super().setup(ctx)  # the flow model, the text policy and its optimizer, eval
         if not cfg.freeze_diffusion:
             ctx.add_optimizer(self.optimizer, grad_clip=cfg.grad_clip, name="image")
-        self.reference = kl_anchor(self.model, cfg.grpo.kl_coef)
+        # Whole copies (of the models as they start) where they are sharded.
+        text, self.engine_source = self.engine_source or self.policy, None
+        image, self.sampler_source = self.sampler_source or self.model, None
+        self.reference = kl_anchor(image, cfg.grpo.kl_coef)
         self.sampling = Sampling(cfg.sample_steps, cfg.shift, cfg.cfg_scale)
         # One snapshot of both sides per sync: a worker never sees them torn apart.
         self.replicas: Replicas[Pair] = Replicas(
-            (LocalEngine(self.policy), frozen_copy(self.model)), self._pair_of, _load_pair,
+            (LocalEngine(text), frozen_copy(image)), self._pair_of, _load_pair,
             initial=self.rollout_weights(), ctx=ctx,
         )  # fmt: skip
         self.engine, self.sampler = self.replicas.home
@@ -182,9 +185,9 @@ class PromptEnhancerTrainer(ReplicatedRollouts, PEBase[PromptEnhancerConfig]):
 
     # ---- sync: both sides' weights, one snapshot
     def rollout_weights(self) -> dict[str, Tensor]:
-        return {
-            **{f"text.{key}": value for key, value in self.policy.state_dict().items()},
-            **{f"image.{key}": value for key, value in self.model.state_dict().items()},
+        return {  # gathered whole when sharded (every rank together)
+            **{f"text.{key}": value for key, value in gathered_state(self.policy).items()},
+            **{f"image.{key}": value for key, value in gathered_state(self.model).items()},
         }
 
     def _pair_of(self, weights: dict[str, Tensor], version: int) -> Pair:

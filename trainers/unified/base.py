@@ -22,7 +22,7 @@ from trainers.lm.policy import HeldOutEval as TextHeldOut
 from trainers.lm.policy import load_policy_state, policy_state
 from trainers.lm.settings import NonNegativeFloat, PositiveInt, TaskName
 from trainers.lm.tasks import TASKS, TaskData
-from trainers.unified.model import MODEL_KIND, UnifiedModel, check_kind
+from trainers.unified.model import MODEL_KIND, UnifiedModel, check_kind, sharded
 
 TextT = TypeVar("TextT")
 ImageT = TypeVar("ImageT")
@@ -110,11 +110,12 @@ class UnifiedBase(Trainer[C]):
     rollout and train step."""
 
     model: UnifiedModel
+    shards_model = True  # run.parallel = "fsdp"
 
     def build(self, ctx: SetupContext, model: UnifiedModel) -> None:
         """One optimizer over every parameter of both tracks, and the held-out sets."""
         cfg = self.config
-        self.model = model
+        self.model = sharded(model, ctx.config.run.parallel)
         self.optimizer = torch.optim.AdamW(
             model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay
         )

@@ -22,6 +22,7 @@ import torch
 from torch import Tensor, nn
 
 from corun.base.errors import CheckpointError
+from corun.execution import parallel
 from trainers.diffusion.model import FlowDiT, FlowModelConfig, Size
 from trainers.lm.model import ModelConfig, TinyLM, refuse_padding
 from trainers.lm.tasks import MAX_LEN, VOCAB_SIZE
@@ -80,6 +81,17 @@ class UnifiedModel(TinyLM):
         image = [p for p in self.flow.parameters() if id(p) not in ids]
         text = [p for name, p in self.named_parameters() if not name.startswith("flow.")]
         return {"text": text, "image": image, "shared": shared}
+
+
+def sharded(model: UnifiedModel, strategy: parallel.Strategy) -> UnifiedModel:
+    """``model`` spread over the torchrun ranks (FSDP2; nothing at world size 1): a unit
+    per shared block, the image track's own layers (``model.flow``, which it enters
+    directly), and the text track's around them."""
+    parallel.parallelize(
+        model, strategy=strategy, blocks=[*model.flow.blocks, model.flow],
+        methods=("hidden", "head"),
+    )  # fmt: skip
+    return model
 
 
 def build_unified(d_model: int, n_layers: int, n_heads: int, patch_size: int) -> UnifiedModel:

@@ -54,7 +54,14 @@ from trainers.unified.model import (
     load_unified,
     unified_from,
 )
-from trainers.weights import Replicas, ReplicatedRollouts, kl_anchor, warm_start_runs
+from trainers.weights import (
+    Replicas,
+    ReplicatedRollouts,
+    gathered_state,
+    kl_anchor,
+    warm_start_runs,
+    whole_copy,
+)
 
 NonNegativeFloat = Annotated[float, msgspec.Meta(ge=0)]
 
@@ -115,14 +122,15 @@ class UnifiedTrainer(ReplicatedRollouts, UnifiedBase[UnifiedConfig]):
             model = unified_from(cfg.init_from)
         else:
             model = build_unified(cfg.d_model, cfg.n_layers, cfg.n_heads, cfg.patch_size)
+        whole = whole_copy(model) or model  # before sharding: the rollout side's is whole
         self.build(ctx, model)
         # The image track's KL anchor: the starting model, frozen.
-        self.reference = kl_anchor(model.flow, cfg.image.kl_coef)
+        self.reference = kl_anchor(whole.flow, cfg.image.kl_coef)
         # The rollout copy of the whole model (both tracks), replaced only by a sync;
         # rollout workers on other threads (concurrency > 1) keep replicas of it.
         self.replicas: Replicas[LocalEngine] = Replicas(
-            LocalEngine(model), self._replica, LocalEngine.update_weights,
-            initial=model.state_dict(), ctx=ctx,
+            LocalEngine(whole), self._replica, LocalEngine.update_weights,
+            initial=self.rollout_weights(), ctx=ctx,
         )  # fmt: skip
         self.engine = self.replicas.home
         self.max_new_tokens = self.task.max_answer_len + 1
@@ -190,4 +198,5 @@ class UnifiedTrainer(ReplicatedRollouts, UnifiedBase[UnifiedConfig]):
 
     # ---- sync: the rollout copy takes the trained weights
     def rollout_weights(self) -> dict[str, Tensor]:
-        return self.model.state_dict()
+        """The trained weights; when sharded, gathered whole (every rank together)."""
+        return gathered_state(self.model)
