@@ -69,7 +69,9 @@ def test_a_format_2_checkpoint_still_resumes(sft_run: Path, tmp_path: Path) -> N
     state_file.write_text(json.dumps({**state, "format": 2}))
     done = _train(tmp_path, run_dir, SFT, "checkpoint.resume=true", "run.steps=3")
     assert done.returncode == 0, done.stderr
-    assert checkpoint.read(run_dir / "checkpoints" / "step-3")[0].format == 3
+    assert (
+        checkpoint.read(run_dir / "checkpoints" / "step-3")[0].format == checkpoint.FORMAT_VERSION
+    )
 
 
 @pytest.fixture

@@ -289,6 +289,28 @@ def all_reduce_sum(tensor: torch.Tensor, what: str) -> None:
         _local.spent_s = getattr(_local, "spent_s", 0.0) + time.monotonic() - started
 
 
+# What torch's collectives raise when a peer is gone: gloo's and NCCL's errors reach
+# Python as RuntimeErrors (or DistErrors) whose message names the transport.
+_PEER_GONE = ("gloo", "nccl", "connection closed by peer", "processgroup", "connection reset")
+
+
+@contextmanager
+def collective_failures(what: str) -> Iterator[None]:
+    """Collectives inside that torch runs itself (FSDP2's gathers and reductions) fail
+    as :func:`all_reduce_sum`'s do: one line naming ``what``, after the stop grace (a
+    peer that stopped first on Ctrl-C is an interrupt, not an error)."""
+    try:
+        yield
+    except (RuntimeError, dist.DistError) as exc:
+        first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+        if isinstance(exc, CollectiveError) or not (
+            isinstance(exc, dist.DistError) or any(s in first.lower() for s in _PEER_GONE)
+        ):
+            raise
+        _stop_grace(what)
+        raise CollectiveError(_message(what, first)) from None
+
+
 def _stop_grace(what: str) -> None:
     """After a peer vanished, wait briefly for this rank's own stop: on Ctrl-C every rank
     gets the signal, and a peer that stopped first must not make this rank's stop read

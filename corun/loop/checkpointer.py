@@ -58,7 +58,7 @@ class Checkpointer:
         # (a sharded model's) has every rank write its own shards too
         # (corun/records/shards.py). A replicated state is rank 0's alone.
         self.writes = distributed.world().writes
-        self._sharded: bool | None = None  # known at the first save
+        self._sharded: bool | None = None  # known at the first save (its snapshot)
         self._pending = 0
         self._done = anyio.Event()
         self._tasks: anyio.abc.TaskGroup | None = None
@@ -116,16 +116,16 @@ class Checkpointer:
     async def save(self) -> None:
         """Snapshot now (the weights keep training), write in the background."""
         assert self._tasks is not None, "attach() the checkpointer to a task group first"
+        kept = self.rollouts.saved()  # here, on the loop: the producer adds to the ledger
+        with self.trace.span("snapshot", "trainer"):
+            tensors = await self.lane.run(_snapshot, self.state, kept)
         if self._sharded is None:
-            self._sharded = await self.lane.run(lambda: shards.has_sharded(self.state()))
-        if not (self.writes or self._sharded):
+            self._sharded = shards.has_sharded(tensors)
+        if not (self.writes or self._sharded):  # a replicated state: rank 0's to write
             self.last_saved = self.clock.step
             return
         if self._sharded:  # every rank writes its shards in the same order: one at a time
             await self.drain()
-        kept = self.rollouts.saved()  # here, on the loop: the producer adds to the ledger
-        with self.trace.span("snapshot", "trainer"):
-            tensors = await self.lane.run(_snapshot, self.state, kept)
         clock = self.clock
         state = checkpoint.TrainerState(
             format=checkpoint.FORMAT_VERSION,

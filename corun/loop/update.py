@@ -86,6 +86,12 @@ class Updater:
     def train(self, batch: Batch, window_pos: int) -> dict[str, float]:
         """Backpropagate ``batch`` (the ``window_pos``-th of its window) and, if it ends
         the window, apply the update. Blocking: runs on the train lane."""
+        if not self.world.parallel:
+            return self._train(batch, window_pos)
+        with distributed.collective_failures("the update's collectives"):
+            return self._train(batch, window_pos)
+
+    def _train(self, batch: Batch, window_pos: int) -> dict[str, float]:
         if window_pos == 0:
             self._zero_grad()
             self._pending.clear()

@@ -62,7 +62,8 @@ def save(tensors: dict[str, DTensor], directory: Path) -> None:
     group, which no training collective shares); returns on rank 0 once all have."""
     from torch.distributed.checkpoint.state_dict_saver import save as dcp_save
 
-    dcp_save(tensors, checkpoint_id=directory, process_group=distributed.checkpoint_group())
+    with distributed.collective_failures("writing a checkpoint's shards"):
+        dcp_save(tensors, checkpoint_id=directory, process_group=distributed.checkpoint_group())
 
 
 def fill(tree: Any, template: Any, directory: Path) -> Any:
