@@ -8,9 +8,12 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
+@pytest.mark.long  # minutes in CI: `pytest -m long` (docs/testing.md)
 def test_host_lag_benchmark_quick(tmp_path: Path) -> None:
     out = tmp_path / "figures.json"
     result = subprocess.run(
