@@ -107,6 +107,8 @@ class Part:
     a time (to bound memory) and their gradients add up, so a micro-batch's loss is
     its *share* of the mini-batch's loss (e.g. its row-mean × :meth:`share`).
     ``generator`` (seeded by run seed and data index) is for the update's own draws.
+    ``version``: the policy version of the weights the window's update starts from
+    (tokens sampled at it were sampled by the weights mini-batch 0 computes with).
     """
 
     mini: int = 0
@@ -114,6 +116,7 @@ class Part:
     micro: int = 0
     micros: int = 1
     generator: torch.Generator | None = None
+    version: int = 0
 
     def mini_rows(self, n: int) -> slice:
         """This mini-batch's rows of a batch of ``n`` rows (near-equal contiguous slices)."""
@@ -148,6 +151,15 @@ class Image:
 
     path: Path
     caption: str = ""
+
+
+def is_alert(key: str) -> bool:
+    """A metric with an ``alert`` part in its name (``alert/...``, or ``train/alert/...``
+    as the update protocol prefixes a loss's metrics) is a warning: logged as any
+    metric and, where its value is above 0, also recorded as an ``alert`` event and
+    shown on the progress line. Report it on every step (0 when all is well): under
+    torchrun the ranks' metrics are averaged key by key."""
+    return "alert" in key.split("/")[:-1]
 
 
 @dataclass(frozen=True)

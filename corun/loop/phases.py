@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from corun.base import timebase
-from corun.contract.trainer import Image, Metrics
+from corun.contract.trainer import Image, Metrics, is_alert
 from corun.loop.clock import Clock
 from corun.records.events import EventLog, Trace
 
@@ -73,3 +73,6 @@ class Phases:
         phase.metrics[f"perf/{timing}_time_s"] = watch.seconds
         self.log(self.clock.step, phase.metrics)
         self.events.emit(event or name, self.clock.step, **phase.fields)
+        for key, value in phase.metrics.items():
+            if is_alert(key) and isinstance(value, float | int) and value > 0:
+                self.events.emit("alert", self.clock.step, metric=key, value=value)

@@ -260,7 +260,8 @@ class _Run:
     async def _update(self, batch: Batch) -> dict[str, Any]:
         if self.updater is not None:
             window_pos = self.cadence.window_pos(self.clock.step)
-            return await self.lanes.train.run(self.updater.train, batch, window_pos)
+            version = self.clock.version  # the window's start: no update applied yet
+            return await self.lanes.train.run(self.updater.train, batch, window_pos, version)
         if overrides(self.trainer, "train_step"):
             return dict(await call_hook(self.lanes.train, self.trainer.train_step, batch))
         return {}

@@ -60,6 +60,7 @@ class Updater:
         self.seed = seed
         self.prepares = overrides(trainer, "prepare")
         self.world = distributed.world()
+        self.version = 0  # of the weights the current window's update starts from
         # The window's batches so far, with their update generators: mini-batches
         # after the first revisit them once the step before has been applied.
         self._pending: list[tuple[Batch, torch.Generator]] = []
@@ -83,9 +84,11 @@ class Updater:
             seed=config.run.seed,
         )  # fmt: skip
 
-    def train(self, batch: Batch, window_pos: int) -> dict[str, float]:
-        """Backpropagate ``batch`` (the ``window_pos``-th of its window) and, if it ends
-        the window, apply the update. Blocking: runs on the train lane."""
+    def train(self, batch: Batch, window_pos: int, version: int = 0) -> dict[str, float]:
+        """Backpropagate ``batch`` (the ``window_pos``-th of its window, whose update
+        starts from policy ``version``) and, if it ends the window, apply the update.
+        Blocking: runs on the train lane."""
+        self.version = version
         if not self.world.parallel:
             return self._train(batch, window_pos)
         with distributed.collective_failures("the update's collectives"):
@@ -127,7 +130,7 @@ class Updater:
         for micro in range(micros):
             if cancellable:
                 cancel_point()
-            part = Part(mini, self.mini_batches, micro, micros, generator)
+            part = Part(mini, self.mini_batches, micro, micros, generator, self.version)
             loss, metrics = self.trainer.loss(batch, part)
             torch.autograd.backward(loss if self.window == 1 else loss / self.window)
             total += float(loss.detach())

@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from corun.base.config import Config
-from corun.contract.trainer import Image
+from corun.contract.trainer import Image, is_alert
 from corun.records.events import MetricsLog
 
 # What the progress line shows, in this order, when a trainer logs it. A multi-track
@@ -145,6 +145,9 @@ class Reporter:
             pictures = {k: wandb.Image(str(v.path), caption=v.caption) for k, v in images.items()}
             self._wandb.log(numbers | pictures, step=step)
         self.progress.update(step, numbers)
+        for key, value in numbers.items():
+            if is_alert(key) and value > 0:
+                self.progress.note(f"corun: warning at step {step}: {key} = {value:.4g}")
 
     def close(self) -> None:
         """Flush and close every sink; each is attempted even if another fails."""

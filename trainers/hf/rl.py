@@ -35,7 +35,7 @@ from corun.agents.chat import ChatTemplate, configured_stop_ids
 from corun.agents.served import EnginePolicy
 from corun.contract.engine import Engine, Generation, Sampling
 from corun.engines.decode import left_pad
-from corun.engines.options import EngineOptions
+from corun.engines.options import EngineOptions, resolved_dtype
 from corun.engines.start import EngineKind, check_engine, start_engine
 from trainers.hf import lora, sync
 from trainers.hf.evaluation import evaluate
@@ -46,7 +46,7 @@ from trainers.hf.tasks import Example, WordProblems, eval_problems, prompt_batch
 from trainers.hf.training import ModelSettings, parallelize_policy, with_adapters
 from trainers.lm.engine import Rollouts
 from trainers.lm.grpo import GRPO, GRPOConfig
-from trainers.lm.policy_gradient import PolicyGradientTrainer, Scored
+from trainers.lm.policy_gradient import PolicyGradientTrainer, Scored, require_correction
 from trainers.lm.ppo import PPO, PPOConfig
 from trainers.lm.settings import LMTrainerConfig, PositiveInt, with_settings
 from trainers.pg import fill_failed
@@ -113,6 +113,13 @@ class HFRollouts(PolicyGradientTrainer[Any]):
                 '`$.loop.version_schedule` = "fixed": an hf: model\'s engine holds only the '
                 "newest weights, which a scheduled rollout may not want"
             )
+        if (
+            cfg.engine != "local"
+            or cfg.dtype != "float32"
+            or resolved_dtype(cfg.engine_options) != "float32"
+        ):
+            engine = f"engine {cfg.engine!r} in {resolved_dtype(cfg.engine_options)}"
+            require_correction(cfg, loop.concurrency, engine)
         self.train_lane = ctx.lane
         # The model, optimizer and task (blocking: loading weights) on the train lane.
         await _on(ctx, self.build, ctx)

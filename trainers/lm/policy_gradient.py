@@ -29,11 +29,16 @@ from trainers.lm.engine import Rollouts
 from trainers.lm.policy import CausalPolicy, rollout_logprobs
 from trainers.lm.settings import LMTrainerConfig, NonNegativeFloat, PositiveInt
 from trainers.pg import (
+    CORRECTION_SETTINGS,
+    Correction,
+    CorrectionResult,
     LossAggregation,
     aggregate,
     clipped_surrogate,
     decoupled_surrogate,
     kl_k3,
+    mismatch_metrics,
+    rollout_correction,
 )
 from trainers.weights import kl_anchor, warm_start_runs
 
@@ -70,6 +75,22 @@ class RLConfig(LMTrainerConfig, frozen=True, forbid_unknown_fields=True, kw_only
     # this batch's updates and weighs tokens by π_prox/π_behaviour, capped.
     off_policy_correction: Literal["none", "decoupled"] = "none"
     importance_cap: Annotated[float, msgspec.Meta(ge=1)] = 2.0
+    # How the engine's log-probs enter the loss (docs/corrections.md). "none": the PPO
+    # ratio is taken against them as recorded. A correction ("token-tis", "seq-tis",
+    # "token-mis", "seq-mis", "geo-rs", "icepop"): the ratio is clipped against the
+    # trainer's own log-probs before this batch's update, and each token is weighted or
+    # masked by the correction of π_trainer / π_engine (replacing the decoupled
+    # objective's capped weight). Unset: "none" — except in an async run whose engine is
+    # not the trainer's own model (vLLM, another precision), which must choose.
+    rollout_correction: Correction | None = None
+    correction_cap: Annotated[float, msgspec.Meta(ge=1)] | None = None  # the TIS cap
+    correction_low: Annotated[float, msgspec.Meta(ge=0, le=1)] | None = None  # a band's
+    correction_high: Annotated[float, msgspec.Meta(ge=1)] | None = None  # bounds
+    # Mismatch diagnostics (every step): the |log ratio| past which a token counts as
+    # mismatched (mismatch/share_over), and the per-token KL estimate (k3) past which a
+    # step is reported as a warning: a broken engine setup shows at step 1.
+    mismatch_threshold: Annotated[float, msgspec.Meta(ge=0)] = 0.6931471805599453  # log 2
+    mismatch_bound: Annotated[float, msgspec.Meta(gt=0)] = 0.01
     # A generation in flight when new weights are published (concurrency > 1):
     # "drain" finishes it on the weights it started with; "interrupt" switches to the
     # new weights between decode steps and continues from the prefix (partial rollout;
@@ -77,6 +98,42 @@ class RLConfig(LMTrainerConfig, frozen=True, forbid_unknown_fields=True, kw_only
     inflight_at_sync: Literal["drain", "interrupt"] = "drain"
     grad_clip: NonNegativeFloat = 1.0
     eval_size: PositiveInt = 512
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        check_correction(self)
+
+
+def require_correction(config: RLConfig, concurrency: int, engine: str) -> None:
+    """An async run (``concurrency`` > 1) whose ``engine`` (described, e.g. "'vllm'") does
+    not compute the trainer's own log-probs must choose its rollout correction."""
+    if concurrency > 1 and config.rollout_correction is None:
+        options = ", ".join(f'"{name}"' for name in CORRECTION_SETTINGS)
+        raise ConfigError(
+            f"`$.trainer.rollout_correction`: an async run (loop.concurrency = "
+            f"{concurrency}) with {engine}, whose log-probs are not the trainer's, must "
+            f"choose how they are corrected: one of {options} (docs/corrections.md)"
+        )
+
+
+def check_correction(config: RLConfig) -> None:
+    """A correction setting the chosen correction does not take, or a band that is not
+    one: refused, naming the key."""
+    kind = config.rollout_correction or "none"
+    settings = {"cap": config.correction_cap, "low": config.correction_low,
+                "high": config.correction_high}  # fmt: skip
+    for name, value in settings.items():
+        if value is not None and name not in CORRECTION_SETTINGS[kind]:
+            takes = ", ".join(f"correction_{s}" for s in CORRECTION_SETTINGS[kind]) or "none"
+            raise ValueError(f"`$.correction_{name}`: rollout_correction = {kind!r} takes {takes}")
+    try:  # the bounds' own checks (a band's low below its high, ...)
+        zeros = torch.zeros(1, 1)
+        rollout_correction(
+            kind, zeros, zeros, torch.ones(1, 1, dtype=torch.bool), cap=config.correction_cap,
+            low=config.correction_low, high=config.correction_high,
+        )  # fmt: skip
+    except ValueError as exc:
+        raise ValueError(f"`$.rollout_correction` = {kind!r}: {exc}") from None
 
 
 C = TypeVar("C", bound=RLConfig)
@@ -206,7 +263,10 @@ class PolicyGradientTrainer(Trainer[C]):
     def prepare(self, batch: Batch) -> Prepared[Any]:
         data = self.algorithm.prepare(batch.data, self.policy)
         proximal = None
-        decoupled = self.config.off_policy_correction == "decoupled"
+        # A correction, like the decoupled objective, anchors the ratio at the trainer's
+        # own log-probs before this batch's update.
+        corrected = (self.config.rollout_correction or "none") != "none"
+        decoupled = self.config.off_policy_correction == "decoupled" or corrected
         if decoupled and self.later_mini_batches:
             rollouts = data.rollouts
             with torch.no_grad():  # the policy before this batch's update
@@ -220,23 +280,31 @@ class PolicyGradientTrainer(Trainer[C]):
         proximal: Proximal = prepared.proximal
         if prepared.decoupled and part.mini == 0:
             proximal = "own"  # no step applied since prepare: the loss's forward has them
-        return self.rows_loss(prepared.data, rows, proximal)
+        # Mini-batch 0 computes with the weights of version ``part.version``: its own
+        # log-probs against the engine's are the diagnostics.
+        diagnose = part.version if part.mini == 0 else None
+        return self.rows_loss(prepared.data, rows, proximal, diagnose)
 
     def rows_loss(
-        self, data: Any, rows: slice, proximal: Proximal
+        self, data: Any, rows: slice, proximal: Proximal, diagnose: int | None = None
     ) -> tuple[Tensor, dict[str, float]]:
-        return self.algorithm.rows_loss(data, rows, partial(self.policy_loss, proximal=proximal))
+        policy_loss = partial(self.policy_loss, proximal=proximal, diagnose=diagnose)
+        return self.algorithm.rows_loss(data, rows, policy_loss)
 
     def policy_loss(
-        self, rollouts: Rollouts, rows: slice, advantages: Tensor, proximal: Proximal
-    ) -> tuple[Tensor, dict[str, float], Tensor]:
-        """Clipped surrogate (+ KL) over ``rows``; ``advantages`` is (rows, 1) or (rows, T)."""
+        self, rollouts: Rollouts, rows: slice, advantages: Tensor, proximal: Proximal,
+        diagnose: int | None = None,
+    ) -> tuple[Tensor, dict[str, float], Tensor]:  # fmt: skip
+        """Clipped surrogate (+ KL) over ``rows``; ``advantages`` is (rows, 1) or (rows, T).
+        ``diagnose``: the version of the weights computing, when the engine's log-probs
+        are to be compared with them (mini-batch 0)."""
         cfg = self.config
         return clipped_policy_loss(
             self.policy, rollouts.select(rows), advantages, cfg,
             proximal=proximal if proximal is None or isinstance(proximal, str) else proximal[rows],
             importance_cap=cfg.importance_cap, reference=self.reference, kl_coef=cfg.kl_coef,
             kl_clamp=cfg.kl_clamp, dual_clip=cfg.dual_clip,
+            gap=EngineGap.of(cfg, diagnose, self.run_config.loop.concurrency > 1),
         )  # fmt: skip
 
     # ---- observability and state
@@ -264,26 +332,84 @@ class PolicyLossSettings(Protocol):
     def loss_agg(self) -> LossAggregation: ...
 
 
+@dataclass(frozen=True)
+class EngineGap:
+    """How a loss treats the engine's log-probs beside the trainer's: the correction
+    (``RLConfig.rollout_correction`` and its settings) and, when ``version`` is given,
+    the diagnostics against the weights of that version (``mismatch/*`` over the tokens
+    sampled by them; in an async run also ``offpolicy/*`` over older tokens, where
+    staleness adds to the mismatch)."""
+
+    correction: Correction = "none"
+    cap: float | None = None
+    low: float | None = None
+    high: float | None = None
+    threshold: float = 0.6931471805599453
+    bound: float = 0.01
+    version: int | None = None
+    stale: bool = False  # async: report the older tokens separately
+
+    @classmethod
+    def of(cls, config: RLConfig, version: int | None, stale: bool) -> EngineGap:
+        return cls(
+            config.rollout_correction or "none", config.correction_cap, config.correction_low,
+            config.correction_high, config.mismatch_threshold, config.mismatch_bound, version,
+            stale,
+        )  # fmt: skip
+
+    def correct(self, logp: Tensor, rollouts: Rollouts) -> CorrectionResult:
+        return rollout_correction(
+            self.correction, logp, rollouts.logprobs, rollouts.response_mask, cap=self.cap,
+            low=self.low, high=self.high, shared=shared_count,
+        )  # fmt: skip
+
+    def diagnostics(self, logp: Tensor, rollouts: Rollouts) -> dict[str, float]:
+        """The engine's log-probs against ``logp`` (the trainer's, at ``version``), and
+        ``alert/mismatch_k3``: the k3 estimate where it exceeds the bound, else 0."""
+        if self.version is None:
+            return {}
+        mask = rollouts.response_mask
+        current = mask & (rollouts.token_versions == self.version)
+        metrics = mismatch_metrics(logp, rollouts.logprobs, current,
+                                   threshold=self.threshold, shared=shared_count)  # fmt: skip
+        if self.stale:
+            older = mismatch_metrics(logp, rollouts.logprobs, mask & ~current,
+                                     threshold=self.threshold, shared=shared_count)  # fmt: skip
+            metrics |= {k.replace("mismatch/", "offpolicy/"): v for k, v in older.items()}
+        k3 = metrics["mismatch/k3"]
+        return metrics | {"alert/mismatch_k3": k3 if k3 > self.bound else 0.0}
+
+
 def clipped_policy_loss(
     policy: CausalPolicy, rollouts: Rollouts, advantages: Tensor, settings: PolicyLossSettings,
     *, proximal: Proximal = None, importance_cap: float = 1.0,
     reference: CausalPolicy | None = None, kl_coef: float = 0.0, kl_clamp: float | None = None,
-    dual_clip: float | None = None,
+    dual_clip: float | None = None, gap: EngineGap | None = None,
 ) -> tuple[Tensor, dict[str, float], Tensor]:  # fmt: skip
     """The clipped surrogate of ``rollouts`` under ``policy`` (decoupled against
     ``proximal`` log-probs when given — ``"own"``: the policy's own, detached —, weights
-    capped at ``importance_cap``; dual clip at ``dual_clip``), plus ``kl_coef`` × k3 KL
-    (capped at ``kl_clamp``) to ``reference`` when given. Returns the aggregated loss,
+    capped at ``importance_cap``, or, with ``gap``'s correction, the correction's;
+    dual clip at ``dual_clip``), plus ``kl_coef`` × k3 KL (capped at ``kl_clamp``) to
+    ``reference`` when given, and ``gap``'s diagnostics. Returns the aggregated loss,
     metrics, and the hidden states (a value head's input)."""
     logp, entropy, hidden = rollout_logprobs(policy, rollouts, settings.temperature)
-    mask = rollouts.response_mask
+    mask = keep = rollouts.response_mask
     # The metrics' token means divide by the shared count too: averaged over the ranks
     # (corun/loop/update.py), they are the token means of the whole batch.
     tokens = shared_count(mask.sum()).clamp(min=1)
     metrics: dict[str, float] = {}
-    if proximal is not None:
-        if isinstance(proximal, str):  # "own": the weights are the proximal policy's
-            proximal = logp.detach()
+    if isinstance(proximal, str):  # "own": the weights are the proximal policy's
+        proximal = logp.detach()
+    if gap is not None and gap.correction != "none":
+        anchor = logp.detach() if proximal is None else proximal
+        corrected = gap.correct(anchor, rollouts)
+        loss_tok, clipped = clipped_surrogate(
+            logp, anchor, advantages, settings.clip_low, settings.clip_high,
+            clip_ratio_c=dual_clip,
+        )  # fmt: skip
+        loss_tok, keep = corrected.weights * loss_tok, corrected.keep
+        metrics |= corrected.metrics
+    elif proximal is not None:
         loss_tok, clipped, weights = decoupled_surrogate(
             logp, proximal, rollouts.logprobs, advantages, settings.clip_low,
             settings.clip_high, importance_cap, clip_ratio_c=dual_clip,
@@ -304,7 +430,9 @@ def clipped_policy_loss(
         metrics["kl"] = _masked_mean(kl.detach(), mask, tokens)
     else:
         metrics["kl"] = _masked_mean(kl_k3(logp.detach(), rollouts.logprobs), mask, tokens)
-    return aggregate(loss_tok, mask, settings.loss_agg, shared_count), metrics, hidden
+    if gap is not None:
+        metrics |= gap.diagnostics(logp.detach(), rollouts)
+    return aggregate(loss_tok, keep, settings.loss_agg, shared_count), metrics, hidden
 
 
 def _masked_mean(values: Tensor, mask: Tensor, tokens: Tensor) -> float:
