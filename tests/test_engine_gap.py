@@ -89,8 +89,9 @@ async def test_a_skewed_engine_is_seen_at_step_1_and_corrected(tmp_path: Path, h
 def test_an_async_vllm_run_must_choose_a_correction(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    overrides = ["trainer.init_from=", "loop.concurrency=2", f"run.dir={tmp_path / 'run'}"]
-    code, _, err = call_main(["train", "hf_grpo_vllm", *overrides], capsys)
+    overrides = ["trainer.init_from=", "trainer.engine=vllm", "loop.concurrency=2",
+                 f"run.dir={tmp_path / 'run'}"]  # fmt: skip
+    code, _, err = call_main(["train", "hf_grpo", *overrides], capsys)
     assert_usage_error(code, err, "`$.trainer.rollout_correction`")
     assert '"token-tis"' in err and not (tmp_path / "run" / "checkpoints").exists()
 
