@@ -46,13 +46,14 @@ def handwritten_loop(trainer_cls: type[T], config: corun.Config) -> tuple[T, lis
         batch.data = trainer.prepare(batch)
         window.append((batch, corun.update_generator(seed, index)))
         sums: dict[str, list[float]] = defaultdict(list)
-        _backward(trainer, *window[-1], 0, loop, sums)
+        version = index // loop.accumulate  # the window's start: updates applied so far
+        _backward(trainer, *window[-1], 0, loop, sums, version)
         if (index + 1) % loop.accumulate == 0:
             _step(ctx, sums)
             for mini in range(1, loop.mini_batches):
                 _zero_grad(ctx)
                 for pending in window:
-                    _backward(trainer, *pending, mini, loop, sums)
+                    _backward(trainer, *pending, mini, loop, sums, version)
                 _step(ctx, sums)
         metrics = {f"train/{key}": sum(values) / len(values) for key, values in sums.items()}
         records.append({"step": index + 1, **metrics, **batch.metrics})
@@ -79,12 +80,12 @@ def call_rollout(
 
 def _backward(
     trainer: corun.Trainer[Any], batch: corun.Batch, generator: torch.Generator, mini: int,
-    loop: Any, sums: dict[str, list[float]],
+    loop: Any, sums: dict[str, list[float]], version: int,
 ) -> None:  # fmt: skip
     micros = trainer.micro_batches(batch)
     total = 0.0
     for micro in range(micros):
-        part = corun.Part(mini, loop.mini_batches, micro, micros, generator)
+        part = corun.Part(mini, loop.mini_batches, micro, micros, generator, version)
         loss, metrics = trainer.loss(batch, part)
         (loss if loop.accumulate == 1 else loss / loop.accumulate).backward()
         total += float(loss.detach())
@@ -117,6 +118,7 @@ class Harness(Generic[T]):
         self.ctx = corun.SetupContext(config)
         call(self.trainer.setup, self.ctx)
         self.data = self.trainer.dataset()
+        self.updates = 0
         self.updater = Updater(
             self.trainer, self.ctx.optimizers, window=1, mini_batches=1, seed=config.run.seed
         )
@@ -131,7 +133,8 @@ class Harness(Generic[T]):
 
     def update(self, batch: corun.Batch) -> dict[str, float]:
         """One update on ``batch`` (a window of one, one mini-batch)."""
-        return self.updater.train(batch, 0)
+        self.updates += 1
+        return self.updater.train(batch, 0, self.updates - 1)
 
     def train(self, indexes: Iterable[int]) -> list[dict[str, float]]:
         return [self.update(self.rollout(index)) for index in indexes]
