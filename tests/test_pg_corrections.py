@@ -25,6 +25,7 @@ import pytest
 import torch
 from torch import Tensor
 
+from tests.test_pg_reference import random_mask
 from trainers.pg import (
     Correction,
     CorrectionResult,
@@ -57,21 +58,6 @@ Rows = list[list[float]]
 
 
 # ----------------------------------------------------------------------------- cases
-
-
-def random_mask(rng: random.Random, rows: int, cols: int) -> list[list[bool]]:
-    """Per row one layout: right or left padding, random holes, empty, or full."""
-    mask = []
-    for _ in range(rows):
-        n = rng.randint(0, cols)
-        layout = rng.choice(["right", "left", "holes", "holes", "empty", "full"])
-        mask.append(
-            [i < n for i in range(cols)] if layout == "right"
-            else [i >= cols - n for i in range(cols)] if layout == "left"
-            else [rng.random() < 0.6 for _ in range(cols)] if layout == "holes"
-            else [layout == "full"] * cols
-        )  # fmt: skip
-    return mask
 
 
 def random_pair(rng: random.Random, profile: str) -> tuple[float, float]:
