@@ -262,7 +262,8 @@ async def test_async_run_then_export_loads_in_vllm(
     checkpoint then exports to a directory vLLM serves with the trained weights."""
     await engines.release()
     config = make_config(
-        tmp_path / "run", hf_trainer(model_dir, off_policy_correction="decoupled"),
+        tmp_path / "run",
+        hf_trainer(model_dir, off_policy_correction="decoupled", rollout_correction="none"),
         run={"steps": 6, "seed": 1}, data={"batch_size": 2},
         loop={"baseline_eval": False, "concurrency": 2, "max_staleness": 1},
     )  # fmt: skip

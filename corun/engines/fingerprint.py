@@ -90,7 +90,7 @@ def weights_fingerprint(tensors: Iterable[Tensor], dtype: torch.dtype | None = N
 async def sync_verified(
     engine: Engine, state: Mapping[str, Tensor], version: int, *,
     mode: ComputeMode = "thread", dtype: torch.dtype | None = None,
-    adapter: Adapter | None = None,
+    adapter: Adapter | None = None, trained: str | None = None,
 ) -> str:  # fmt: skip
     """``engine.update_weights(state, version)`` — or, with ``adapter``,
     ``engine.update_adapter(adapter, version)`` — then check that the engine serves
@@ -98,20 +98,27 @@ async def sync_verified(
     must equal the state's, rounded to ``dtype`` (the engine's precision) if given.
     Returns the fingerprint; a mismatch is an :class:`EngineError` naming the version
     and both fingerprints, as is an adapter for an engine that takes none.
-    ``mode``: the run's compute mode (``loop.compute``; "inline" uses no threads)."""
-    # Summed in a worker thread: a large model's weights take a second or so.
-    trained = await blocking_io(mode, weights_fingerprint, list(state.values()), dtype)
+    ``mode``: the run's compute mode (``loop.compute``; "inline" uses no threads).
+    ``trained``: the state's fingerprint when the caller has it (then ``state`` is not
+    read for it: a sharded state's is summed over the ranks, a LoRA base's kept)."""
+    if trained is None:  # summed in a worker thread: a large model takes a second or so
+        trained = await blocking_io(mode, weights_fingerprint, list(state.values()), dtype)
     if adapter is None:
         await engine.update_weights(state, version)
     elif isinstance(engine, AdapterEngine):
         await engine.update_adapter(adapter, version)
     else:
         raise EngineError(f"adapter sync to version {version}: the engine takes no adapters")
-    served = await engine.fingerprint()
+    what = "adapter sync" if adapter is not None else "weight sync"
+    return checked(await engine.fingerprint(), trained, f"{what} to version {version}")
+
+
+def checked(served: str, trained: str, what: str) -> str:
+    """``served`` if it is ``trained``; else an :class:`EngineError` naming ``what`` (a
+    sync, the start) and both fingerprints."""
     if served != trained:
-        what = "adapter" if adapter is not None else "weight"
         raise EngineError(
-            f"{what} sync to version {version}: the engine serves weights {served}, not "
-            f"the trained {trained} (it did not reload them)"
+            f"{what}: the engine serves weights {served}, not the trained {trained} "
+            "(it did not reload them)"
         )
     return served

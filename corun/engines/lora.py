@@ -18,7 +18,7 @@ from typing import Any
 
 from torch import Tensor
 
-from corun.contract.engine import Adapter, AdapterEngine, Engine
+from corun.contract.engine import Adapter, AdapterEngine, Engine, EngineError
 
 ADAPTER = "default"  # the adapter name of peft's injected layers
 PREFIX = "base_model.model."  # adapter_model.safetensors' names start with it
@@ -83,6 +83,14 @@ def _jsonable(value: Any) -> Any:
     if isinstance(value, set | frozenset):  # peft's target_modules may be a set
         return sorted(value)
     raise TypeError(f"adapter_config.json: {type(value).__name__} is not JSON")
+
+
+def require_lora(lora_rank: int | None, engine: str) -> None:
+    """An adapter for a vLLM ``engine`` built without LoRA support: an EngineError."""
+    if lora_rank is None:
+        raise EngineError(
+            f"{engine} was built without LoRA support (trainer.engine_options.lora_rank is unset)"
+        )
 
 
 def takes_adapters(engine: Engine) -> bool:

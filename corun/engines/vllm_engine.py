@@ -78,6 +78,7 @@ from torch import Tensor
 
 from corun.base.errors import ConfigError
 from corun.contract.engine import Adapter, EngineError, Finish, Generation, Sampling
+from corun.engines.lora import require_lora
 from corun.engines.options import OPTIONS, EngineOptions, VLLMConfig
 from corun.engines.vllm_common import (
     AdapterVersions,
@@ -201,11 +202,7 @@ class VLLMEngine(DrainingEngine):
         module's docstring), then unload the versions no longer kept. A refused
         adapter is an :class:`EngineError`; the engine goes on serving the previous."""
         self._check()
-        if self._config.lora_rank is None:
-            raise EngineError(
-                "the vLLM engine was built without LoRA support "
-                "(trainer.engine_options.lora_rank is unset)"
-            )
+        require_lora(self._config.lora_rank, "the vLLM engine")
         await anyio.lowlevel.checkpoint_if_cancelled()  # see generate
         entry = await anyio.to_thread.run_sync(self._adapters.write, adapter, version)
         try:

@@ -57,6 +57,7 @@ from torch import Tensor
 
 from corun.base.errors import ConfigError
 from corun.contract.engine import Adapter, EngineError, Finish, Generation, Sampling
+from corun.engines.lora import require_lora
 from corun.engines.options import OPTIONS, VLLMConfig
 from corun.engines.vllm_common import (
     AdapterVersions,
@@ -190,11 +191,7 @@ class VLLMServerEngine(DrainingEngine):
         see the module's docstring), then unload the versions no longer kept. A refused
         adapter is an :class:`EngineError`; the server goes on serving the previous."""
         self._check()
-        if self._config.lora_rank is None:
-            raise EngineError(
-                "the vLLM server was started without LoRA support "
-                "(trainer.engine_options.lora_rank is unset)"
-            )
+        require_lora(self._config.lora_rank, "the vLLM server")
         entry = await anyio.to_thread.run_sync(self._adapters.write, adapter, version)
 
         async def load(client: httpx.AsyncClient) -> None:

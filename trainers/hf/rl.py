@@ -35,6 +35,7 @@ from corun.agents.chat import ChatTemplate, configured_stop_ids
 from corun.agents.served import EnginePolicy
 from corun.contract.engine import Engine, Generation, Sampling
 from corun.engines.decode import left_pad
+from corun.engines.fingerprint import checked
 from corun.engines.options import EngineOptions, resolved_dtype
 from corun.engines.start import EngineKind, check_engine, start_engine
 from trainers.hf import lora, sync
@@ -50,7 +51,7 @@ from trainers.lm.policy_gradient import PolicyGradientTrainer, Scored, require_c
 from trainers.lm.ppo import PPO, PPOConfig
 from trainers.lm.settings import LMTrainerConfig, PositiveInt, with_settings
 from trainers.pg import fill_failed
-from trainers.weights import frozen_copy
+from trainers.weights import whole_copy
 
 DEFAULT_REWARDS = {"numeric_match": 1.0}
 TaskName = Literal["word-problems"]
@@ -150,7 +151,7 @@ class HFRollouts(PolicyGradientTrainer[Any]):
 
     def trained_policy(self, policy: HFPolicy) -> HFPolicy:
         """Sharded over the ranks (a whole copy kept for the engine to start from)."""
-        self.engine_source = frozen_copy(policy) if world().parallel else None
+        self.engine_source = whole_copy(policy)
         return parallelize_policy(policy, self.config, self.run_config)
 
     def build(self, ctx: SetupContext) -> None:
@@ -176,10 +177,10 @@ class HFRollouts(PolicyGradientTrainer[Any]):
     async def _started_weights(self) -> str:
         """The fingerprint the started engine reports (with its first adapter, under
         LoRA), checked against the policy's."""
-        trained = await _on_lane(
+        trained = await sync.on_lane(
             self.train_lane, sync.trained_fingerprint, self.engine, self.policy, self.config
         )
-        return sync.check_served(await self.engine.fingerprint(), trained, 0)
+        return checked(await self.engine.fingerprint(), trained, "the started engine")
 
     def weights(self, version: int) -> str:
         """The fingerprint of the weights of ``version`` ("" when not synced in this run)."""
@@ -297,11 +298,7 @@ def max_len(policy: HFPolicy, limit: int | None = None) -> int:
 
 
 async def _on(ctx: SetupContext, fn: Any, *args: Any) -> Any:
-    return await _on_lane(ctx.lane, fn, *args)
-
-
-async def _on_lane(lane: Lane | None, fn: Any, *args: Any) -> Any:
-    return fn(*args) if lane is None else await lane.run(fn, *args)
+    return await sync.on_lane(ctx.lane, fn, *args)
 
 
 def to_rollouts(prompts: list[list[int]], generations: list[Generation], pad_id: int) -> Rollouts:

@@ -11,6 +11,9 @@
 - **Merged weights** (base + the adapter's product) under LoRA for an engine that takes
   no adapters (one of your own): as large as a full sync.
 
+corun/engines/fingerprint.py's ``sync_verified`` sends and checks; this module decides
+what, and the trained fingerprint.
+
 Each sync is verified by the engine's fingerprint of what it serves
 (corun/engines/fingerprint.py), the trained side rounded to the engine's precision
 and, when sharded, summed over every rank's shards.
@@ -26,8 +29,8 @@ import torch
 from torch import Tensor
 
 from corun.base.config import LoopConfig
-from corun.contract.engine import Adapter, AdapterEngine, Engine, EngineError
-from corun.engines.fingerprint import MOD, bits_sum, format_fingerprint
+from corun.contract.engine import Adapter, Engine
+from corun.engines.fingerprint import MOD, bits_sum, format_fingerprint, sync_verified
 from corun.engines.lora import takes_adapters
 from corun.engines.options import EngineOptions, engine_dtype
 from corun.execution import parallel
@@ -61,39 +64,31 @@ async def sync(
     nothing else: the engine shares the train lane at concurrency 1), a whole one sums
     in a worker thread."""
     if parallel.is_sharded(policy):
-        trained, payload = await _call(lane, _prepared, engine, policy, config)
+        trained, weights, sent = await on_lane(lane, _prepared, engine, policy, config)
     else:
-        trained, payload = await blocking_io(mode, _prepared, engine, policy, config)
-    await send(engine, payload, version)
-    return check_served(await engine.fingerprint(), trained, version)
+        trained, weights, sent = await blocking_io(mode, _prepared, engine, policy, config)
+    return await sync_verified(engine, weights, version, adapter=sent, trained=trained)
 
 
 def _prepared(
     engine: Engine, policy: HFPolicy, config: Any
-) -> tuple[str, Adapter | Mapping[str, Tensor]]:  # fmt: skip
-    """The trained fingerprint, and what to send: the adapter, merged weights (LoRA to an
-    engine without adapters) or the weights, gathered as read when sharded."""
+) -> tuple[str, Mapping[str, Tensor], Adapter | None]:  # fmt: skip
+    """The trained fingerprint, the weights and the adapter to send: the adapter alone
+    (LoRA to an engine that takes one), merged weights (LoRA to one that does not) or
+    the weights, gathered as read when sharded."""
     trained = trained_fingerprint(engine, policy, config)
     if sends_adapter(engine, policy):
-        return trained, adapter(policy)
+        return trained, {}, adapter(policy)
     if is_lora(policy):
-        return trained, merged_weights(policy)
+        return trained, merged_weights(policy), None
     if parallel.is_sharded(policy):
-        return trained, parallel.GatheredState(policy.weights(), config.sync_bucket_bytes)
-    return trained, policy.weights()
+        return trained, parallel.GatheredState(policy.weights(), config.sync_bucket_bytes), None
+    return trained, policy.weights(), None
 
 
-async def _call(lane: Lane | None, fn: Any, *args: Any) -> Any:
+async def on_lane(lane: Lane | None, fn: Any, *args: Any) -> Any:
+    """``fn(*args)`` on ``lane``, or here when there is none (inline set-up)."""
     return fn(*args) if lane is None else await lane.run(fn, *args)
-
-
-async def send(engine: Engine, payload: Adapter | Mapping[str, Tensor], version: int) -> None:
-    if not isinstance(payload, Adapter):
-        await engine.update_weights(payload, version)
-    elif isinstance(engine, AdapterEngine):
-        await engine.update_adapter(payload, version)
-    else:
-        raise EngineError(f"adapter sync to version {version}: the engine takes no adapters")
 
 
 def trained_fingerprint(engine: Engine, policy: HFPolicy, config: Any) -> str:
@@ -121,12 +116,3 @@ def _summed(tensors: Iterable[Tensor], policy: HFPolicy, dtype: torch.dtype) -> 
         return bits_sum(tensors, dtype)
     mine = [t for t in map(parallel.on_rank_zero_replica, tensors) if t is not None]
     return parallel.world_sum(bits_sum(mine, dtype), MOD)
-
-
-def check_served(served: str, trained: str, version: int) -> str:
-    if served != trained:
-        raise EngineError(
-            f"weight sync to version {version}: the engine serves weights {served}, not "
-            f"the trained {trained} (it did not reload them)"
-        )
-    return served
