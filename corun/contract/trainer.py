@@ -33,6 +33,7 @@ from corun.base.config import TrainerConfig
 from corun.contract.data import Dataset, IndexData
 from corun.contract.episodes import EpisodeInbox
 from corun.contract.policy import ServedPolicy
+from corun.contract.training_api import TrainingBackend
 from corun.execution.compute import Lane
 
 
@@ -311,6 +312,12 @@ class Trainer(Generic[C]):
         reply format and batched generation from the rollout side's newest weights.
         ``lane`` is the endpoint's own compute lane, for a policy that generates in
         process (an engine-backed policy ignores it)."""
+        return None
+
+    def training_backend(self) -> TrainingBackend | None:
+        """The models a training-API client creates and drives step by step
+        (``serve.tinker``, corun/serve/tinker/): LoRA adapters over this trainer's set-up
+        base model. None: this trainer serves no such API."""
         return None
 
     # ---- evaluation

@@ -3,7 +3,8 @@ config asks for, assembled here, outside the loop:
 
 - Ray rollout workers (corun/scale/ray_workers.py) with ``[rollout] backend = "ray"``;
 - the policy endpoint (corun/serve/server.py) with ``[serve] enabled``, or for
-  ``corun serve`` (a serve-only session);
+  ``corun serve`` (a serve-only session); with ``serve.tinker``, the Tinker server of
+  the trainer's models (corun/serve/tinker/) in its place;
 - the prerequisite runs a trainer names (``Trainer.prerequisites()``), each trained by
   this same function, unless complete already (corun/records/prerequisites.py).
 
@@ -31,6 +32,7 @@ from corun.loop.teardown import RunControl
 from corun.records.prerequisites import final_checkpoint
 from corun.scale.ray_workers import RayWorkers
 from corun.serve.server import Endpoint
+from corun.serve.tinker.server import TinkerServer
 
 
 async def run(
@@ -52,6 +54,11 @@ def extensions(trainer: Trainer[Any], config: Config, session: Session) -> Exten
     """The optional parts of the run of ``trainer`` on ``config``, as the config asks."""
     on_ray = config.rollout.backend == "ray"
     serves = config.serve.enabled or session.serve_only
+    if config.serve.tinker and not session.serve_only:
+        raise ConfigError(
+            "`$.serve.tinker`: the Tinker API is served by `corun serve CONFIG`, not while "
+            "the config trains"
+        )
     return Extensions(
         remote=partial(RayWorkers.start, trainer, config) if on_ray else None,
         service=partial(_endpoint, trainer, config, session.inbox) if serves else None,
@@ -59,9 +66,21 @@ def extensions(trainer: Trainer[Any], config: Config, session: Session) -> Exten
     )
 
 
-def _endpoint(trainer: Trainer[Any], config: Config, inbox: EpisodeInbox) -> Endpoint:
-    """The endpoint of the set-up trainer's policy, on a lane of its own."""
+def _endpoint(
+    trainer: Trainer[Any], config: Config, inbox: EpisodeInbox
+) -> Endpoint | TinkerServer:
+    """The endpoint of the set-up trainer's policy, on a lane of its own (with
+    ``serve.tinker``: the Tinker server of its models)."""
     serve_lane = lane(config, "serve")
+    if config.serve.tinker:
+        backend = trainer.training_backend()
+        if backend is None:
+            serve_lane.close()
+            raise ConfigError(
+                f"`$.serve.tinker`: trainer {config.trainer.kind!r} serves no models to train "
+                "(the hf_* kinds do)"
+            )
+        return TinkerServer(backend, config.serve, serve_lane, config.run_dir)
     policy = trainer.served_policy(serve_lane)
     if policy is None:
         serve_lane.close()

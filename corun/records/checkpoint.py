@@ -153,6 +153,26 @@ def write(
         shards.save(sharded, tmp / shards.SHARDS_DIR)
     if not writes:
         return None
+    final = step_dir(run_dir, step)
+    _write_files(tmp, tensors, state, final)
+    _fsync_dir(root)
+    return final
+
+
+def write_directory(final: Path, tensors: Any, state: TrainerState) -> Path:
+    """Write one unsharded checkpoint atomically at ``final`` (a directory of any name:
+    the training API's saved states, corun/serve/tinker/); blocking."""
+    final.parent.mkdir(parents=True, exist_ok=True)
+    tmp = final.parent / f".tmp-{final.name}-{os.getpid()}"
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir()
+    _write_files(tmp, tensors, state, final)
+    _fsync_dir(final.parent)
+    return final
+
+
+def _write_files(tmp: Path, tensors: Any, state: TrainerState, final: Path) -> None:
+    """The tensors and the state into ``tmp``, flushed to disk, then renamed ``final``."""
     with open(tmp / TENSORS_FILE, "wb") as f:
         try:
             torch.save(tensors, f)
@@ -166,12 +186,9 @@ def write(
         f.write(msgspec.json.format(msgspec.json.encode(state)))
         f.flush()
         os.fsync(f.fileno())
-    final = step_dir(run_dir, step)
     if final.exists():  # the same step saved again after a resume
         shutil.rmtree(final)
     os.rename(tmp, final)
-    _fsync_dir(root)
-    return final
 
 
 def _temporary(run_dir: Path, step: int) -> Path:

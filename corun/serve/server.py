@@ -64,21 +64,8 @@ class Endpoint:
         self, *, task_status: anyio.abc.TaskStatus[str] = anyio.TASK_STATUS_IGNORED
     ) -> None:
         """Serve until :meth:`stop`; reports the URL once listening."""
-        try:
-            listener = socket.create_server((self.config.host, self.config.port), backlog=1024)
-        except OSError as exc:
-            raise ConfigError(
-                f"serve: cannot listen on {self.config.host}:{self.config.port} ({exc.strerror})"
-            ) from None
-        with listener:
-            host, port = listener.getsockname()[:2]
-            self.url = f"http://{host}:{port}"
-            hypercorn = HypercornConfig()
-            # hypercorn takes (and closes) the descriptor it is given: give it a copy.
-            hypercorn.bind = [f"fd://{os.dup(listener.fileno())}"]
-            hypercorn.graceful_timeout = GRACE_S
-            hypercorn.accesslog = None
-            hypercorn.errorlog = logging.getLogger("corun.serve")
+        with listen(self.config) as listener:
+            self.url, hypercorn = served_on(listener)
             # Shielded: the server ends through stop() (a teardown step), gracefully, even
             # when a host's cancellation tears the run down; hypercorn's own shutdown is
             # bounded by its graceful_timeout.
@@ -87,7 +74,7 @@ class Endpoint:
                     async with anyio.create_task_group() as tasks:
                         tasks.start_soon(self.batcher.run)
                         task_status.started(self.url)
-                        await _serve(self.app, hypercorn, self._stop.wait)
+                        await serve(self.app, hypercorn, self._stop.wait)
                         # No request is left: the batcher ends by running out of them.
                         # (Not by cancelling its task group: on asyncio that cancel
                         # escaped into the run's own task group and lost its last save.)
@@ -113,7 +100,30 @@ class Endpoint:
                 await self.stop()
 
 
-async def _serve(app: object, config: HypercornConfig, shutdown: object) -> None:
+def listen(config: ServeConfig) -> socket.socket:
+    """The listening socket of ``[serve]``'s host and port; one that cannot be had is a
+    usage error naming them."""
+    try:
+        return socket.create_server((config.host, config.port), backlog=1024)
+    except OSError as exc:
+        raise ConfigError(
+            f"serve: cannot listen on {config.host}:{config.port} ({exc.strerror})"
+        ) from None
+
+
+def served_on(listener: socket.socket) -> tuple[str, HypercornConfig]:
+    """The URL of ``listener`` and hypercorn's settings to serve on it."""
+    host, port = listener.getsockname()[:2]
+    hypercorn = HypercornConfig()
+    # hypercorn takes (and closes) the descriptor it is given: give it a copy.
+    hypercorn.bind = [f"fd://{os.dup(listener.fileno())}"]
+    hypercorn.graceful_timeout = GRACE_S
+    hypercorn.accesslog = None
+    hypercorn.errorlog = logging.getLogger("corun.serve")
+    return f"http://{host}:{port}", hypercorn
+
+
+async def serve(app: object, config: HypercornConfig, shutdown: object) -> None:
     # hypercorn's serve for the running event loop; with a shutdown trigger it installs
     # no signal handlers of its own (the host's, or corun's CLI, own the signals).
     if sniffio.current_async_library() == "trio":

@@ -90,6 +90,10 @@ def add_lora(policy: HFPolicy, settings: LoraSettings, seed: int) -> None:
 
 
 def lora_config(policy: HFPolicy, settings: LoraSettings) -> LoraConfig:
+    return _lora_config(policy.source, settings)
+
+
+def _lora_config(source: Path, settings: LoraSettings) -> LoraConfig:
     from peft import LoraConfig
 
     return LoraConfig(
@@ -97,7 +101,7 @@ def lora_config(policy: HFPolicy, settings: LoraSettings) -> LoraConfig:
         lora_alpha=settings.alpha,  # type: ignore[arg-type]  # hinted int; any number works
         lora_dropout=settings.dropout,
         target_modules=list(settings.target_modules),
-        base_model_name_or_path=str(policy.source),
+        base_model_name_or_path=str(source),
         task_type="CAUSAL_LM",
     )
 
@@ -213,7 +217,11 @@ def adapter_config(policy: HFPolicy) -> dict[str, Any]:
     settings = lora_settings(policy)
     if settings is None:
         raise ValueError(f"{policy.source}: the policy has no LoRA adapters (add_lora)")
-    config = lora_config(policy, settings).to_dict()
+    return _adapter_config(policy.source, settings)
+
+
+def _adapter_config(source: Path, settings: LoraSettings) -> dict[str, Any]:
+    config = _lora_config(source, settings).to_dict()
     config["inference_mode"] = True  # what save_pretrained records
     config["target_modules"] = sorted(config["target_modules"])
     # Through JSON: enums as their values, sets as lists, exactly what the file holds.
@@ -228,6 +236,13 @@ def adapter(policy: HFPolicy) -> Adapter:
     (FSDP), each is gathered: every rank calls this together."""
     tensors = {PREFIX + name: _whole(t) for name, t in adapter_state(policy).items()}
     return Adapter(config=adapter_config(policy), tensors=tensors)
+
+
+def saved_adapter(source: Path, settings: LoraSettings, state: dict[str, Tensor]) -> Adapter:
+    """The adapter of a checkpoint (:func:`adapter_state`'s tensors, with the settings
+    and base model directory it records) as engines take it."""
+    tensors = {PREFIX + name: tensor for name, tensor in state.items()}
+    return Adapter(config=_adapter_config(source, settings), tensors=tensors)
 
 
 def _whole(tensor: Tensor) -> Tensor:

@@ -44,6 +44,7 @@ from trainers.hf.policy import ChatFormat, HFPolicy
 from trainers.hf.rewards import Rewards
 from trainers.hf.state import hf_state, load_hf_state, load_model
 from trainers.hf.tasks import Example, WordProblems, eval_problems, prompt_batches, read_prompts
+from trainers.hf.tinker import HFTrainingBackend, training_backend
 from trainers.hf.training import ModelSettings, parallelize_policy, with_adapters
 from trainers.lm.engine import Rollouts
 from trainers.lm.grpo import GRPO, GRPOConfig
@@ -192,6 +193,10 @@ class HFRollouts(PolicyGradientTrainer[Any]):
             self.run_config.run.name, self.engine, self.chat_template(), self.max_len,
             self.fingerprints, continuous_batching=self.config.engine != "local",
         )  # fmt: skip
+
+    def training_backend(self) -> HFTrainingBackend:
+        options = self.config.engine_options
+        return training_backend(self.policy, self.chat, options, self.run_config)
 
     @property
     def max_len(self) -> int:

@@ -14,6 +14,7 @@ import msgspec
 import torch
 
 from corun import Batch, Dataset, RolloutContext, SetupContext
+from corun.engines.options import EngineOptions
 from corun.execution.parallel import Precision
 from trainers.hf.evaluation import evaluate
 from trainers.hf.lora import LoraSettings
@@ -22,6 +23,7 @@ from trainers.hf.rewards import Rewards
 from trainers.hf.rl import DEFAULT_REWARDS, TaskName, check_hf_config
 from trainers.hf.state import hf_state, load_hf_state, load_model
 from trainers.hf.tasks import Example, WordProblems, eval_problems, prompt_batches, read_prompts
+from trainers.hf.tinker import HFTrainingBackend, training_backend
 from trainers.hf.training import prepare_policy
 from trainers.lm.settings import PositiveInt
 from trainers.lm.sft import SFTConfig, SFTTrainer, masked_loss_sum
@@ -110,6 +112,9 @@ class HFSFTTrainer(SFTTrainer):
             self.train_lane,
         )
         return {"eval/loss": value, **rewards}
+
+    def training_backend(self) -> HFTrainingBackend:
+        return training_backend(self.model, self.chat, EngineOptions(), self.run_config)
 
     def wandb_extra(self) -> dict[str, Any]:
         return {"model/num_params": self.model.num_params(), "model/source": str(self.model.source)}

@@ -1,0 +1,374 @@
+"""An HF policy driven step by step through the training API (the Tinker API, served by
+``corun serve CONFIG serve.tinker=true``): each model a client creates is a copy of the
+trainer's base model with fresh LoRA adapters (``peft``, trainers/hf/lora.py) and its
+own AdamW state; it trains by forward-backward passes under a named loss and optimizer
+steps with the client's hyper-parameters, and saves and loads corun checkpoints of the
+same layout as an ``hf_*`` run's (``python -m trainers.hf.export`` reads them).
+
+The losses are the API's, summed over tokens and data (the client normalises):
+
+- ``cross_entropy``: ``-Σ w_t · log π(y_t)``;
+- ``importance_sampling``: ``-Σ A_t · π(y_t) / q(y_t)`` (``q``: the sampler's log-probs);
+- ``ppo``: ``-Σ min(r_t A_t, clip(r_t, low, high) A_t)``, ``r_t = π(y_t) / q(y_t)``,
+  with ``loss_fn_config`` ``clip_low_threshold`` (0.8) and ``clip_high_threshold`` (1.2).
+
+LoRA alpha is :data:`LORA_ALPHA` whatever the rank (the API has no alpha); the adapters
+cover the attention projections, the MLP and the output head as the client asks.
+Each model holds its own copy of the base weights (not shared between models yet).
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+import msgspec
+import torch
+from torch import Tensor
+
+from corun import CheckpointError, ConfigError
+from corun.agents.chat import find_stop
+from corun.base.config import Config
+from corun.contract.engine import Generation, Sampling
+from corun.contract.training_api import (
+    LOSS_INPUTS,
+    AdamStep,
+    Datum,
+    ForwardResult,
+    LoraShape,
+    LossName,
+    ModelInfo,
+    RequestError,
+)
+from corun.engines.options import EngineOptions
+from corun.records import checkpoint
+from trainers.hf.lora import (
+    LoraSettings,
+    add_lora,
+    is_lora,
+    saved_adapter,
+    trainable_parameters,
+)
+from trainers.hf.policy import ChatFormat, HFPolicy
+from trainers.hf.samplers import Samplers, SavedAdapter
+from trainers.hf.state import check_same_model, hf_state, load_hf_state
+
+LORA_ALPHA = 32.0
+ATTENTION = ("q_proj", "k_proj", "v_proj", "o_proj")
+MLP = ("gate_proj", "up_proj", "down_proj")
+UNEMBED = ("lm_head",)
+KIND = "tinker-lora"  # the trainer kind a saved state records
+MICRO_BATCH = 16  # data per forward pass: gradients add up, so this bounds memory only
+MAX_RANK = 128
+
+
+def target_modules(policy: HFPolicy, shape: LoraShape) -> list[str]:
+    """The module names (suffixes) ``shape`` adapts that this model has."""
+    wanted = [
+        *(ATTENTION if shape.train_attn else ()),
+        *(MLP if shape.train_mlp else ()),
+        *(UNEMBED if shape.train_unembed else ()),
+    ]
+    names = {name.rsplit(".", 1)[-1] for name, _ in policy.model.named_modules()}
+    found = [name for name in wanted if name in names]
+    if not found:
+        raise RequestError(
+            "lora_config adapts no weight of this model (train_attn, train_mlp and "
+            "train_unembed select none it has)"
+        )
+    return found
+
+
+class HFTrainingModel:
+    """One client's model (:class:`corun.contract.training_api.TrainingModel`)."""
+
+    def __init__(self, base: HFPolicy, info: ModelInfo, shape: LoraShape, seed: int) -> None:
+        if not 1 <= shape.rank <= MAX_RANK:
+            raise RequestError(f"lora_config.rank = {shape.rank}: expected 1..{MAX_RANK}")
+        self.policy = copy.deepcopy(base)
+        settings = LoraSettings(
+            rank=shape.rank, alpha=LORA_ALPHA, target_modules=target_modules(base, shape)
+        )
+        add_lora(self.policy, settings, seed)
+        self.optimizer = torch.optim.AdamW(trainable_parameters(self.policy), lr=0.0)
+        self._info = info
+        self._steps = 0
+
+    @property
+    def info(self) -> ModelInfo:
+        return self._info
+
+    @property
+    def steps(self) -> int:
+        return self._steps
+
+    # ---- training
+
+    def forward_backward(
+        self, data: Sequence[Datum], loss: LossName, loss_config: Mapping[str, float],
+        backward: bool,
+    ) -> ForwardResult:  # fmt: skip
+        check_data(data, loss, self._info.max_length, self.vocab_size)
+        terms = LOSS_TERMS[loss]
+        self.policy.train(backward)
+        outputs: list[dict[str, Tensor]] = []
+        total = 0.0
+        for start in range(0, len(data), MICRO_BATCH):
+            chunk = data[start : start + MICRO_BATCH]
+            with torch.set_grad_enabled(backward):
+                logprobs = self._target_logprobs(chunk)
+                losses = [
+                    terms(lp, datum.inputs, loss_config)
+                    for lp, datum in zip(logprobs, chunk, strict=True)
+                ]
+                chunk_loss = torch.stack([term.sum() for term in losses]).sum()
+                if backward:
+                    chunk_loss.backward()
+            total += float(chunk_loss.detach())
+            outputs += [
+                {"logprobs": lp.detach(), "elementwise_loss": term.detach()}
+                for lp, term in zip(logprobs, losses, strict=True)
+            ]
+        return ForwardResult(outputs, {"loss:sum": total})
+
+    @property
+    def vocab_size(self) -> int:
+        return int(self.policy.model.config.vocab_size)
+
+    def _target_logprobs(self, data: Sequence[Datum]) -> list[Tensor]:
+        """log π(target_t | tokens[:t+1]) per datum: the batch right-padded, one pass."""
+        longest = max(len(d.tokens) for d in data)
+        ids = torch.zeros(len(data), longest, dtype=torch.long)
+        mask = torch.zeros(len(data), longest, dtype=torch.long)
+        targets = torch.zeros(len(data), longest, dtype=torch.long)
+        for row, datum in enumerate(data):
+            size = len(datum.tokens)
+            ids[row, :size] = torch.tensor(datum.tokens)
+            mask[row, :size] = 1
+            targets[row, :size] = datum.inputs["target_tokens"].long()
+        logits = self.policy(ids, mask)
+        picked = torch.log_softmax(logits, -1).gather(-1, targets.unsqueeze(-1)).squeeze(-1)
+        return [picked[row, : len(d.tokens)] for row, d in enumerate(data)]
+
+    def optim_step(self, step: AdamStep) -> dict[str, float]:
+        check_adam(step)
+        for group in self.optimizer.param_groups:
+            group.update(lr=step.learning_rate, betas=(step.beta1, step.beta2), eps=step.eps,
+                         weight_decay=step.weight_decay)  # fmt: skip
+        params = trainable_parameters(self.policy)
+        limit = step.grad_clip_norm if step.grad_clip_norm > 0 else math.inf
+        norm = float(torch.nn.utils.clip_grad_norm_(params, limit))
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        self._steps += 1
+        return {"grad_norm": norm}
+
+    # ---- states
+
+    def save(self, path: Path, *, optimizer: bool) -> None:
+        state = hf_state(self.policy, self.optimizer, tinker_steps=self._steps)
+        if not optimizer:
+            state["optimizer"] = {}
+        trainer_state = checkpoint.TrainerState(
+            format=checkpoint.FORMAT_VERSION, step=self._steps, version=self._steps,
+            data_cursor=0, run_id=path.parent.parent.name, config_digest="",
+            trainer_kind=KIND,
+        )  # fmt: skip
+        checkpoint.write_directory(path, {"trainer": checkpoint.snapshot(state)}, trainer_state)
+
+    def load(self, path: Path, *, optimizer: bool) -> None:
+        state = read_state(path)
+        try:
+            if optimizer and state.get("optimizer"):
+                load_hf_state(state, self.policy, self.optimizer)
+            else:
+                check_same_model(state, self.policy, "checkpoint")
+                load_hf_state({**state, "optimizer": self.optimizer.state_dict()},
+                              self.policy, self.optimizer)  # fmt: skip
+        except CheckpointError as exc:
+            raise RequestError(f"{path.name}: {exc}") from None
+        if optimizer:
+            self._steps = int(state.get("tinker_steps", 0))
+
+
+def read_state(path: Path) -> dict[str, Any]:
+    """A saved state's trainer tensors; a damaged one, or another trainer's, refused."""
+    try:
+        saved, tensors = checkpoint.read(path)
+    except CheckpointError as exc:
+        raise RequestError(str(exc)) from None
+    if saved.trainer_kind != KIND:
+        raise RequestError(f"{path}: a {saved.trainer_kind!r} checkpoint, not a saved state")
+    state: dict[str, Any] = tensors["trainer"]
+    return state
+
+
+# ---- checks: every refusal names the datum and the field
+
+
+def check_data(data: Sequence[Datum], loss: LossName, max_length: int, vocab: int) -> None:
+    if not data:
+        raise RequestError("forward_backward: no data")
+    needed = LOSS_INPUTS[loss]
+    for index, datum in enumerate(data):
+        where = f"data[{index}]"
+        size = len(datum.tokens)
+        if size == 0:
+            raise RequestError(f"{where}.model_input: no tokens")
+        if size > max_length:
+            raise RequestError(f"{where}.model_input: {size} tokens, the model takes {max_length}")
+        if not all(0 <= t < vocab for t in datum.tokens):
+            raise RequestError(f"{where}.model_input: a token id outside 0..{vocab - 1}")
+        for key in needed:
+            value = datum.inputs.get(key)
+            if value is None:
+                raise RequestError(f"{where}.loss_fn_inputs: {loss} needs {key!r}")
+            if tuple(value.shape) != (size,):
+                raise RequestError(
+                    f"{where}.loss_fn_inputs[{key!r}]: shape {list(value.shape)}, expected "
+                    f"[{size}] (one per input token)"
+                )
+        targets = datum.inputs["target_tokens"]
+        if targets.is_floating_point() or not bool(((targets >= 0) & (targets < vocab)).all()):
+            raise RequestError(f"{where}.loss_fn_inputs['target_tokens']: ids in 0..{vocab - 1}")
+
+
+def check_adam(step: AdamStep) -> None:
+    checks = {
+        "learning_rate": step.learning_rate >= 0,
+        "beta1": 0 <= step.beta1 < 1,
+        "beta2": 0 <= step.beta2 < 1,
+        "eps": step.eps > 0,
+        "weight_decay": step.weight_decay >= 0,
+        "grad_clip_norm": step.grad_clip_norm >= 0,
+    }
+    for name, ok in checks.items():
+        if not ok or not math.isfinite(getattr(step, name)):
+            raise RequestError(f"adam_params.{name} = {getattr(step, name)} is out of range")
+
+
+# ---- the losses: per token, from the targets' log-probs under the trained weights
+
+
+def cross_entropy(logprobs: Tensor, inputs: Mapping[str, Tensor], _: Mapping[str, float]) -> Tensor:
+    return -inputs["weights"].float() * logprobs
+
+
+def importance_sampling(
+    logprobs: Tensor, inputs: Mapping[str, Tensor], _: Mapping[str, float]
+) -> Tensor:
+    ratio = torch.exp(logprobs - inputs["logprobs"].float())
+    return -ratio * inputs["advantages"].float()
+
+
+def ppo(logprobs: Tensor, inputs: Mapping[str, Tensor], config: Mapping[str, float]) -> Tensor:
+    low = float(config.get("clip_low_threshold", 0.8))
+    high = float(config.get("clip_high_threshold", 1.2))
+    if not 0 < low <= 1 <= high:
+        raise RequestError(
+            f"loss_fn_config: clip_low_threshold {low}, clip_high_threshold {high}: "
+            "expected 0 < low <= 1 <= high"
+        )
+    ratio = torch.exp(logprobs - inputs["logprobs"].float())
+    advantages = inputs["advantages"].float()
+    return -torch.min(ratio * advantages, ratio.clamp(low, high) * advantages)
+
+
+LOSS_TERMS: dict[LossName, Callable[[Tensor, Mapping[str, Tensor], Mapping[str, float]], Tensor]]
+LOSS_TERMS = {
+    "cross_entropy": cross_entropy,
+    "importance_sampling": importance_sampling,
+    "ppo": ppo,
+}
+
+
+class HFTrainingBackend:
+    """The models of one base policy (:class:`corun.contract.training_api.TrainingBackend`):
+    created on request, sampled through :class:`Samplers`."""
+
+    def __init__(
+        self, base: HFPolicy, chat: ChatFormat, names: list[str], samplers: Samplers
+    ) -> None:
+        self.base = base
+        self.chat = chat
+        self.names = names
+        self.samplers = samplers
+        self._max_length = int(getattr(base.model.config, "max_position_embeddings", 2048))
+
+    @property
+    def max_length(self) -> int:
+        return self._max_length
+
+    def base_models(self) -> list[str]:
+        return list(self.names)
+
+    def create_model(self, base_model: str, lora: LoraShape, seed: int) -> HFTrainingModel:
+        if not self.serves(base_model):
+            raise RequestError(
+                f"base_model {base_model!r} is not served here (served: {', '.join(self.names)})"
+            )
+        info = ModelInfo(self.names[0], lora.rank, str(self.base.source), self._max_length)
+        return HFTrainingModel(self.base, info, lora, seed)
+
+    def serves(self, name: str) -> bool:
+        if name in self.names:
+            return True
+        path = Path(name).expanduser()
+        return path.is_dir() and path.resolve() == self.base.source
+
+    async def sample(
+        self, weights: Path | None, prompts: Sequence[Sequence[int]], sampling: Sampling,
+        seed: int, *, stop_strings: Sequence[str] = (), stop_at_eos: bool = True,
+    ) -> list[Generation]:  # fmt: skip
+        saved = (
+            None if weights is None else self.samplers.adapter_at(weights, self._read(weights))
+        )
+        if stop_at_eos:
+            sampling = replace(sampling, stop_ids=(*sampling.stop_ids, self.chat.eos_id))
+        generations = await self.samplers.sample(saved, prompts, sampling, seed)
+        return [self._cut(g, stop_strings) for g in generations] if stop_strings else generations
+
+    def _cut(self, generation: Generation, stops: Sequence[str]) -> Generation:
+        """``generation`` through the token that completes its first stop string."""
+        match = find_stop(generation.ids, self.chat.decode, stops)
+        if match is None:
+            return generation
+        end = match.kept
+        return Generation(generation.ids[:end], generation.logprobs[:end],
+                          generation.versions[:end], "stop")  # fmt: skip
+
+    def _read(self, path: Path) -> Callable[[], SavedAdapter]:
+        def read() -> SavedAdapter:
+            state = read_state(path)
+            try:
+                check_same_model(state, self.base, "checkpoint")
+            except CheckpointError as exc:
+                raise RequestError(str(exc)) from None
+            settings = msgspec.json.decode(state["lora"], type=LoraSettings)
+            return SavedAdapter(
+                path, settings, saved_adapter(self.base.source, settings, state["model"])
+            )
+
+        return read
+
+    async def close(self) -> None:
+        await self.samplers.close()
+
+
+def training_backend(
+    policy: HFPolicy, chat: ChatFormat, options: EngineOptions, config: Config
+) -> HFTrainingBackend:
+    """The training API's models over an hf kind's set-up ``policy`` (its base weights),
+    sampled by "local" engines with ``options``."""
+    if is_lora(policy):
+        raise ConfigError(
+            "`$.trainer.lora`: with serve.tinker each client chooses its own adapters; "
+            "remove [trainer.lora]"
+        )
+    spec = str(getattr(config.trainer, "model", ""))
+    names = [name for name in (spec, str(policy.source)) if name]
+    return HFTrainingBackend(policy, chat, names, Samplers(policy, chat.pad_id, options, config))
