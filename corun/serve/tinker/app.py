@@ -174,21 +174,22 @@ class _Api:
         model_id, seq_id, loss, config, forward_only, data = wire.forward_backward_request(
             await _body(request)
         )
-        future = self.service.in_turn(model_id, seq_id, lambda m: self.service.forward_backward(
-            m, loss, config, forward_only, data))  # fmt: skip
+        future = self.service.in_turn(model_id, seq_id, "forward_backward", lambda m: (
+            self.service.forward_backward(m, loss, config, forward_only, data)))  # fmt: skip
         return {"request_id": future.request_id, "model_id": model_id}
 
     async def optim_step(self, request: Request) -> dict[str, Any]:
         body = await _json(request, wire.OptimStep)
-        return self._in_turn(body, lambda m: self.service.optim_step(m, body))
+        return self._in_turn(body, "optim_step", lambda m: self.service.optim_step(m, body))
 
     async def save_weights(self, request: Request) -> dict[str, Any]:
         body = await _json(request, wire.SaveWeights)
-        return self._in_turn(body, lambda m: self.service.save(m, body, "weights"))
+        return self._in_turn(body, "save_weights", lambda m: self.service.save(m, body, "weights"))
 
     async def save_for_sampler(self, request: Request) -> dict[str, Any]:
         body = await _json(request, wire.SaveWeights)
-        return self._in_turn(body, lambda m: self.service.save(m, body, "sampler_weights"))
+        return self._in_turn(body, "save_weights_for_sampler",
+                             lambda m: self.service.save(m, body, "sampler_weights"))  # fmt: skip
 
     async def load_weights(self, request: Request) -> dict[str, Any]:
         body = await _json(request, wire.LoadWeights)
@@ -199,10 +200,10 @@ class _Api:
             return {"request_id": future.request_id,
                     "model_id": f"{body.session_id}:train:{body.model_seq_id}"}  # fmt: skip
         request_body = wire.ModelRequest(model_id=body.model_id, seq_id=body.seq_id)
-        return self._in_turn(request_body, lambda m: self.service.load(m, body))
+        return self._in_turn(request_body, "load_weights", lambda m: self.service.load(m, body))
 
-    def _in_turn(self, body: wire.ModelRequest, job: Any) -> dict[str, Any]:
-        future = self.service.in_turn(body.model_id, body.seq_id, job)
+    def _in_turn(self, body: wire.ModelRequest, kind: str, job: Any) -> dict[str, Any]:
+        future = self.service.in_turn(body.model_id, body.seq_id, kind, job)
         return {"request_id": future.request_id, "model_id": body.model_id}
 
     # ---- sampling

@@ -6,8 +6,9 @@ bytes, or an error with its category) is collected by long-polling ``retrieve_fu
 Results wait for collection in a bounded table (the oldest finished dropped first).
 
 A model's requests carry ``seq_id`` 1, 2, ...: :class:`Turns` runs them in that order
-whatever order they arrive in, answers a retried request (the same ``seq_id``) with its
-first request id, and refuses a ``seq_id`` that already ran or lies beyond the queue.
+whatever order they arrive in, answers a retried request (the same ``seq_id`` and kind)
+with its first request id, and refuses a ``seq_id`` taken by another kind of request,
+one that already ran long ago, or one beyond what the queue holds.
 """
 
 from __future__ import annotations
@@ -105,17 +106,26 @@ class Turns:
         self.limit = limit
         self.next = first
         self._waiting: dict[int, tuple[Future, Job]] = {}
-        self._seen: dict[int, Future] = {}
+        self._seen: dict[int, tuple[Future, str]] = {}  # recent: retries get their reply
         self._arrived = anyio.Event()
         self._closed = False
 
-    def submit(self, seq_id: int | None, futures: Futures, job: Job) -> Future:
-        """The future of request ``seq_id`` (its first one, if retried)."""
+    def submit(self, seq_id: int | None, futures: Futures, job: Job, kind: str) -> Future:
+        """The future of request ``seq_id`` (its first one, if retried: the same ``kind``
+        of request; another kind under a number taken is refused)."""
         if seq_id is None:
             raise RequestError("seq_id: missing (a model's requests are numbered)")
         if seq_id in self._seen:
-            return self._seen[seq_id]
+            first, taken_by = self._seen[seq_id]
+            if taken_by == kind:
+                return first
         future = futures.create()
+        if seq_id in self._seen:
+            future.set(Reply.error(
+                f"seq_id {seq_id}: the model ran its {self._seen[seq_id][1]} request under this "
+                "number; each request takes the next one", "user",
+            ))  # fmt: skip
+            return future
         if seq_id < self.next:
             future.set(Reply.error(
                 f"seq_id {seq_id}: this model's requests up to {self.next - 1} have run; "
@@ -131,7 +141,7 @@ class Turns:
         if self._closed:
             future.set(Reply.error("the model's session has finished", "user"))
             return future
-        self._seen[seq_id] = future
+        self._seen[seq_id] = (future, kind)
         self._waiting[seq_id] = (future, job)
         self._arrived.set()
         return future

@@ -182,13 +182,14 @@ class TinkerService:
         return found
 
     def in_turn(
-        self, model_id: str, seq_id: int | None, job: Callable[[Model], Awaitable[Reply]]
-    ) -> Future:
-        """Run ``job`` on the model in its turn; an unknown model, or a request out of
-        order, answered as the client's error."""
+        self, model_id: str, seq_id: int | None, kind: str,
+        job: Callable[[Model], Awaitable[Reply]],
+    ) -> Future:  # fmt: skip
+        """Run ``job`` (a ``kind`` of request) on the model in its turn; an unknown model,
+        or a request out of order, answered as the client's error."""
         try:
             model = self.model(model_id)
-            return model.turns.submit(seq_id, self.futures, lambda: job(model))
+            return model.turns.submit(seq_id, self.futures, lambda: job(model), kind)
         except RequestError as exc:
             future = self.futures.create()
             future.set(Reply.error(str(exc), "user"))

@@ -1,0 +1,73 @@
+"""``corun serve <config> serve.tinker=true`` as a child process for tests: the built-in
+tiny Llama's directory as the base model, its URL read from the first stdout line, and
+a stop (SIGINT) that must exit 130 with nothing left listening."""
+
+from __future__ import annotations
+
+import signal
+import subprocess
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx
+import tomli_w
+
+from tests.support.processes import REPO, corun_command, environment, wait_until
+from trainers.hf.tiny import built_in
+
+API_KEY = "tml-corun-tests"
+
+
+@dataclass
+class TinkerProcess:
+    proc: subprocess.Popen[bytes]
+    url: str
+    model_dir: str  # the base model's directory: what the SDK loads the tokenizer from
+    run_dir: Path
+    log: Path
+
+    def stderr(self) -> str:
+        return self.log.read_text(errors="replace")
+
+    def stop(self) -> int:
+        """SIGINT, and the exit status (the server must end within 60 s)."""
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGINT)
+        return self.proc.wait(timeout=60)
+
+    def listening(self) -> bool:
+        try:
+            httpx.get(f"{self.url}/api/v1/healthz", timeout=5)
+        except httpx.ConnectError:
+            return False
+        return True
+
+
+@contextmanager
+def tinker_server(tmp: Path, **serve: object) -> Iterator[TinkerProcess]:
+    """Serve the Tinker API for the block; killed if it outlives it."""
+    model_dir = str(built_in().resolve())
+    config = {
+        "run": {"name": "tinker", "dir": str(tmp / "run"), "seed": 0},
+        "serve": {"tinker": True, **serve},
+        "trainer": {"kind": "hf_sft", "model": f"hf:{model_dir}", "eval_size": 1},
+    }
+    (tmp / "tinker.toml").write_text(tomli_w.dumps(config))
+    out, log = tmp / "serve.out", tmp / "serve.err"
+    with open(out, "wb") as stdout, open(log, "wb") as stderr:
+        proc = subprocess.Popen(
+            [*corun_command(), "serve", str(tmp / "tinker.toml")], cwd=REPO,
+            env=environment(), stdin=subprocess.DEVNULL, stdout=stdout, stderr=stderr,
+        )  # fmt: skip
+    try:
+        first = wait_until(lambda: out.read_text().partition("\n")[0], 120,
+                           unless=lambda: proc.poll() is not None)  # fmt: skip
+        assert first.startswith("corun: serving http://"), (first, log.read_text())
+        url = first.removeprefix("corun: serving ").strip()
+        yield TinkerProcess(proc, url, model_dir, tmp / "run" / "serve", log)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()

@@ -1,0 +1,270 @@
+"""The Tinker API served by corun, driven by the official SDK (``tinker`` 0.38, no
+patches) against a real ``corun serve ... serve.tinker=true`` process: a LoRA training
+client on the built-in tiny model learns under ``cross_entropy`` and
+``importance_sampling``; sampled log-probs equal the trainer's; ``save_state`` then
+``load_state`` resumes exactly; futures awaited together on asyncio; bad requests are
+the SDK's ``user`` errors and the server goes on; Ctrl-C fails in-flight futures
+cleanly, saves the open models and exits 130 with nothing left listening."""
+
+from __future__ import annotations
+
+import asyncio
+import math
+import os
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import numpy as np
+import pytest
+import tinker
+from tinker import types
+from tinker.proto import tinker_public_pb2 as pb
+
+from tests.support.tinker_server import API_KEY, TinkerProcess, tinker_server
+
+pytestmark = pytest.mark.slow
+os.environ.setdefault("TINKER_TELEMETRY", "0")  # the SDK's telemetry would post to the server
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[TinkerProcess]:
+    with tinker_server(tmp_path_factory.mktemp("tinker")) as running:
+        yield running
+        assert running.stop() == 130, running.stderr()[-2000:]
+        assert not running.listening()
+
+
+@pytest.fixture(scope="module")
+def service(server: TinkerProcess) -> Iterator[tinker.ServiceClient]:
+    client = tinker.ServiceClient(base_url=server.url, api_key=API_KEY)
+    yield client
+    client.close("success").result()
+
+
+def _chat(tokenizer: Any, question: str, answer: str) -> types.Datum:
+    """A teacher-forced datum: predict every token after the first, the reply weighted."""
+    prompt = tokenizer(f"user: {question}\nassistant:")["input_ids"]
+    ids = prompt + tokenizer(f" {answer}</s>")["input_ids"]
+    weights = [0.0] * (len(prompt) - 1) + [1.0] * (len(ids) - len(prompt))
+    return types.Datum(
+        model_input=types.ModelInput.from_ints(ids[:-1]),
+        loss_fn_inputs={"target_tokens": ids[1:], "weights": weights},
+    )
+
+
+def _loss(client: tinker.TrainingClient, data: list[types.Datum], lr: float) -> float:
+    result = client.forward_backward(data, "cross_entropy").result()
+    client.optim_step(types.AdamParams(learning_rate=lr)).result()
+    return float(result.metrics["loss:sum"])
+
+
+def test_lora_client_learns_and_samples_with_the_trainers_logprobs(
+    service: tinker.ServiceClient, server: TinkerProcess
+) -> None:
+    client = service.create_lora_training_client(base_model=server.model_dir, rank=8).result()
+    info = client.get_info()
+    assert info.lora_rank == 8 and info.model_data.tokenizer_id == server.model_dir
+    tokenizer = client.get_tokenizer()
+    data = [_chat(tokenizer, f"{a}+{a}=?", str(2 * a)) for a in range(1, 9)]
+    losses = [_loss(client, data, 5e-3) for _ in range(8)]
+    assert losses[-1] < 0.5 * losses[0], losses
+
+    sampler = client.save_weights_and_get_sampling_client().result()
+    prompt = tokenizer("user: 3+3=?\nassistant:")["input_ids"]
+    params = types.SamplingParams(max_tokens=12, temperature=1.0, seed=7)
+    sampled = sampler.sample(types.ModelInput.from_ints(prompt), 3, params).result()
+    for sequence in sampled.sequences:
+        ids = prompt + sequence.tokens
+        datum = types.Datum(
+            model_input=types.ModelInput.from_ints(ids[:-1]),
+            loss_fn_inputs={"target_tokens": ids[1:], "weights": [1.0] * (len(ids) - 1)},
+        )
+        trained = client.forward([datum], "cross_entropy").result()
+        ours = trained.loss_fn_outputs[0]["logprobs"].tolist()[len(prompt) - 1 :]
+        assert len(ours) == len(sequence.tokens) == len(sequence.logprobs or [])
+        assert np.allclose(ours, sequence.logprobs, atol=1e-4), (ours, sequence.logprobs)
+
+    # importance sampling on the samples: advantages up for the first, down for the rest
+    is_data = []
+    for index, sequence in enumerate(sampled.sequences):
+        ids = prompt + sequence.tokens
+        size = len(ids) - 1
+        sampled_lp = [0.0] * (len(prompt) - 1) + list(sequence.logprobs or [])
+        advantage = 1.0 if index == 0 else -0.5
+        advantages = [0.0] * (len(prompt) - 1) + [advantage] * len(sequence.tokens)
+        is_data.append(types.Datum(
+            model_input=types.ModelInput.from_ints(ids[:-1]),
+            loss_fn_inputs={"target_tokens": ids[1:], "logprobs": sampled_lp,
+                            "advantages": advantages},
+        ))  # fmt: skip
+        assert len(advantages) == size
+    first = client.forward_backward(is_data, "importance_sampling").result()
+    # The ratio is 1 at the sampling weights: the loss is -Σ advantages over sampled tokens.
+    expected = -sum(sum(d.loss_fn_inputs["advantages"].tolist()) for d in is_data)
+    assert math.isclose(first.metrics["loss:sum"], expected, rel_tol=1e-3)
+    client.optim_step(types.AdamParams(learning_rate=1e-2)).result()
+    after = client.forward(is_data, "importance_sampling").result()
+    assert after.metrics["loss:sum"] < first.metrics["loss:sum"]
+
+
+def test_save_state_then_load_state_resumes_exactly(
+    service: tinker.ServiceClient, server: TinkerProcess
+) -> None:
+    client = service.create_lora_training_client(base_model=server.model_dir, rank=4).result()
+    tokenizer = client.get_tokenizer()
+    data = [_chat(tokenizer, f"{a}+1=?", str(a + 1)) for a in range(1, 5)]
+    for _ in range(2):
+        _loss(client, data, 1e-2)
+    path = client.save_state("before").result().path
+    assert path.startswith("tinker://") and path.endswith("/weights/before")
+    straight = [_loss(client, data, 1e-2) for _ in range(3)]
+
+    resumed = service.create_training_client_from_state_with_optimizer(path).result()
+    assert resumed.get_info().lora_rank == 4
+    again = [_loss(resumed, data, 1e-2) for _ in range(3)]
+    assert again == straight
+
+    rest = tinker.RestClient(base_url=server.url, api_key=API_KEY)
+    listed = rest.list_checkpoints(path.split("/")[2]).result().checkpoints
+    assert "weights/before" in [c.checkpoint_id for c in listed]
+    assert rest.get_weights_info_by_tinker_path(path).result().lora_rank == 4
+
+
+def test_futures_awaited_together_on_asyncio(server: TinkerProcess) -> None:
+    async def main() -> None:
+        service = tinker.ServiceClient(base_url=server.url, api_key=API_KEY)
+        client = await service.create_lora_training_client(base_model=server.model_dir, rank=8)
+        tokenizer = client.get_tokenizer()
+        data = [_chat(tokenizer, f"{a}+2=?", str(a + 2)) for a in range(1, 5)]
+        # Submitted back to back, awaited together: they run in submission order.
+        submitted = []
+        for _ in range(3):
+            submitted.append(client.forward_backward(data, "cross_entropy"))
+            submitted.append(client.optim_step(types.AdamParams(learning_rate=1e-2)))
+        results = await asyncio.wait_for(asyncio.gather(*submitted), 120)
+        losses = [r.metrics["loss:sum"] for r in results[::2]]
+        assert losses[2] < losses[1] < losses[0], losses
+        sampler = await client.save_weights_and_get_sampling_client()
+        prompt = types.ModelInput.from_ints(tokenizer("user: 1+2=?\nassistant:")["input_ids"])
+        params = types.SamplingParams(max_tokens=8, seed=3)
+        samples = await asyncio.wait_for(
+            asyncio.gather(*(sampler.sample(prompt, 2, params) for _ in range(4))), 120
+        )
+        assert all(len(s.sequences) == 2 for s in samples)
+        assert samples[0].sequences[0].tokens == samples[1].sequences[0].tokens  # one seed
+        await service.close("success")
+
+    asyncio.run(main())
+
+
+def _raw_forward_backward(url: str, model_id: str, seq_id: int, datum: pb.Datum) -> str:
+    """A forward-backward request written by hand, and its future's error (if any)."""
+    request = pb.ForwardBackwardRequest(model_id=model_id, seq_id=seq_id, loss_fn="cross_entropy")
+    request.data.append(datum)
+    headers = {"X-API-Key": API_KEY, "Content-Type": "application/x-protobuf"}
+    with httpx.Client(base_url=f"{url}/api/v1", headers=headers, timeout=60) as http:
+        submitted = http.post("/forward_backward", content=request.SerializeToString())
+        assert submitted.status_code == 200, submitted.text
+        reply = http.post("/retrieve_future", json=submitted.json())
+    assert reply.status_code == 200
+    if reply.headers["content-type"].startswith("application/x-protobuf"):
+        return ""
+    body = reply.json()
+    assert body["category"] == "user", body
+    return str(body["error"])
+
+
+def _datum(tokens: list[int], targets: np.ndarray, weights: np.ndarray) -> pb.Datum:
+    datum = pb.Datum()
+    datum.model_input.add().encoded_text.tokens = np.asarray(tokens, "<i4").tobytes()
+    for name, values, dtype in (("target_tokens", targets, pb.DTYPE_INT64),
+                                ("weights", weights, pb.DTYPE_FLOAT32)):  # fmt: skip
+        tensor = datum.loss_fn_inputs[name]
+        tensor.dense, tensor.dtype = values.tobytes(), dtype
+        tensor.shape.extend(values.shape)
+    return datum
+
+
+def test_bad_requests_are_user_errors_and_the_server_goes_on(
+    service: tinker.ServiceClient, server: TinkerProcess
+) -> None:
+    client = service.create_lora_training_client(base_model=server.model_dir, rank=2).result()
+    tokenizer = client.get_tokenizer()
+    good = _chat(tokenizer, "1+1=?", "2")
+    bad_shape = types.Datum(model_input=good.model_input, loss_fn_inputs={
+        "target_tokens": good.loss_fn_inputs["target_tokens"].tolist()[:-1],
+        "weights": good.loss_fn_inputs["weights"].tolist()[:-1],
+    })  # fmt: skip
+    with pytest.raises(tinker.RequestFailedError) as refused:
+        client.forward_backward([bad_shape], "cross_entropy").result()
+    assert refused.value.category == "user" and "one per input token" in str(refused.value)
+    missing = types.Datum(model_input=good.model_input, loss_fn_inputs={
+        "target_tokens": good.loss_fn_inputs["target_tokens"].tolist()})  # fmt: skip
+    with pytest.raises(tinker.RequestFailedError, match="needs 'weights'"):
+        client.forward_backward([missing], "cross_entropy").result()
+    with pytest.raises(tinker.RequestFailedError, match=r"adam_params\.learning_rate"):
+        client.optim_step(types.AdamParams(learning_rate=-1.0)).result()
+    with pytest.raises(tinker.RequestFailedError, match="not served here"):
+        service.create_lora_training_client(base_model="Qwen/Qwen3-8B", rank=8).result()
+    # The client goes on after its refusals: its next request runs.
+    assert client.forward_backward([good], "cross_entropy").result().metrics["loss:sum"] > 0
+
+    model_id = client.model_id  # its requests so far: seq_id 1 to 4
+    tokens = np.asarray(good.model_input.to_ints(), "<i4")
+    floats = _datum(tokens.tolist(), np.zeros(len(tokens), "<f4"), np.ones(len(tokens), "<f4"))
+    floats.loss_fn_inputs["target_tokens"].dtype = pb.DTYPE_FLOAT32
+    assert "target_tokens" in _raw_forward_backward(server.url, model_id, 5, floats)
+    plain = _datum(tokens.tolist(), np.zeros(len(tokens), "<i8"), np.ones(len(tokens), "<f4"))
+    assert "no such model" in _raw_forward_backward(server.url, "nobody:train:0", 1, plain)
+    assert "its optim_step request" in _raw_forward_backward(server.url, model_id, 3, plain)
+    assert _raw_forward_backward(server.url, model_id, 6, plain) == ""
+
+
+def test_unsupported_client_versions_and_routes_are_named(server: TinkerProcess) -> None:
+    headers = {"X-API-Key": API_KEY}
+    with httpx.Client(base_url=f"{server.url}/api/v1", headers=headers, timeout=30) as http:
+        old = http.post("/client/config", json={"sdk_version": "0.30.1"})
+        assert old.status_code == 400 and "corun serves SDK 0.38.0" in old.json()["detail"]
+        route = http.post("/save_weights_external", json={})
+        assert route.status_code == 404 and "not served" in route.json()["detail"]
+        bad = http.post("/optim_step", content=b"{not json")
+        assert bad.status_code == 400 and bad.json()["category"] == "user"
+
+
+def test_ctrl_c_fails_inflight_futures_saves_open_models_and_exits_130(tmp_path: Path) -> None:
+    with tinker_server(tmp_path) as server:
+        service = tinker.ServiceClient(base_url=server.url, api_key=API_KEY)
+        client = service.create_lora_training_client(base_model=server.model_dir, rank=8).result()
+        tokenizer = client.get_tokenizer()
+        data = [_chat(tokenizer, f"{a}+{a}=?", str(2 * a)) for a in range(64)]
+        outcomes: list[str] = []
+
+        def train() -> None:
+            try:
+                while True:
+                    client.forward_backward(data, "cross_entropy").result(timeout=60)
+                    outcomes.append("ok")
+            except Exception as exc:  # the stop: a failed future or a closed connection
+                outcomes.append(type(exc).__name__ + f": {exc}")
+
+        worker = threading.Thread(target=train, daemon=True)
+        worker.start()
+        assert _wait(lambda: outcomes.count("ok") >= 2), outcomes
+        model_id = client.model_id
+        assert server.stop() == 130, server.stderr()[-2000:]
+        worker.join(timeout=90)
+        assert not worker.is_alive(), "a client call hung after the server stopped"
+        assert outcomes[-1] != "ok"
+        assert not server.listening()
+        last = server.run_dir / "tinker" / model_id / "weights" / "last"
+        assert (last / "tinker.json").is_file(), server.stderr()[-2000:]
+        assert f"saved tinker://{model_id}/weights/last" in server.stderr()
+
+
+def _wait(predicate: Any, timeout_s: float = 120) -> bool:
+    from tests.support.processes import wait_until
+
+    return bool(wait_until(predicate, timeout_s, poll_s=0.1))
