@@ -86,6 +86,9 @@ def test_lora_client_learns_and_samples_with_the_trainers_logprobs(
         ours = trained.loss_fn_outputs[0]["logprobs"].tolist()[len(prompt) - 1 :]
         assert len(ours) == len(sequence.tokens) == len(sequence.logprobs or [])
         assert np.allclose(ours, sequence.logprobs, atol=1e-4), (ours, sequence.logprobs)
+        scored = sampler.compute_logprobs(types.ModelInput.from_ints(ids)).result()
+        assert scored[0] is None and len(scored) == len(ids)
+        assert np.allclose(scored[1:], trained.loss_fn_outputs[0]["logprobs"].tolist(), atol=1e-4)
 
     # importance sampling on the samples: advantages up for the first, down for the rest
     is_data = []

@@ -145,6 +145,12 @@ class TrainingBackend(Protocol):
         tokens that complete it are kept)."""
         ...
 
+    def prompt_logprobs(self, weights: Path | None, prompt: Sequence[int]) -> list[float]:
+        """The log-prob of each prompt token after the ones before it (from the second
+        token on), under the base model or the adapters saved at ``weights``; blocking
+        (the server runs it on its lane)."""
+        ...
+
     async def close(self) -> None:
         """Stop the sampling engines and release the models (a teardown step)."""
         ...

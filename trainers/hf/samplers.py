@@ -13,6 +13,7 @@ the same adapter share it and a request never samples from another's weights.
 from __future__ import annotations
 
 import copy
+import threading
 from collections import OrderedDict
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from contextlib import asynccontextmanager
@@ -88,16 +89,18 @@ class Samplers:
         self._starting = anyio.Lock()
         self._shutdowns: list[Callable[[], Awaitable[None] | None]] = []
         self._adapters: OrderedDict[Path, SavedAdapter] = OrderedDict()
+        self._adapters_lock = threading.Lock()
 
     def adapter_at(self, path: Path, read: Callable[[], SavedAdapter]) -> SavedAdapter:
         """The adapter saved at ``path`` (read once, kept while recently used)."""
-        saved = self._adapters.get(path)
-        if saved is None:
-            saved = self._adapters[path] = read()
-            while len(self._adapters) > KEPT_ADAPTERS:
-                self._adapters.popitem(last=False)
-        self._adapters.move_to_end(path)
-        return saved
+        with self._adapters_lock:  # sampling reads on the loop, prompt log-probs on a lane
+            saved = self._adapters.get(path)
+            if saved is None:
+                saved = self._adapters[path] = read()
+                while len(self._adapters) > KEPT_ADAPTERS:
+                    self._adapters.popitem(last=False)
+            self._adapters.move_to_end(path)
+            return saved
 
     async def sample(
         self, saved: SavedAdapter | None, prompts: Sequence[Sequence[int]], sampling: Sampling,

@@ -47,9 +47,11 @@ from corun.contract.training_api import (
 from corun.engines.options import EngineOptions
 from corun.records import checkpoint
 from trainers.hf.lora import (
+    PREFIX,
     LoraSettings,
     add_lora,
     is_lora,
+    load_adapter_state,
     saved_adapter,
     trainable_parameters,
 )
@@ -298,6 +300,7 @@ class HFTrainingBackend:
         self.names = names
         self.samplers = samplers
         self._max_length = int(getattr(base.model.config, "max_position_embeddings", 2048))
+        self._scorers: dict[Any, HFPolicy] = {}  # prompt log-probs, per adapter shape
 
     @property
     def max_length(self) -> int:
@@ -324,13 +327,31 @@ class HFTrainingBackend:
         self, weights: Path | None, prompts: Sequence[Sequence[int]], sampling: Sampling,
         seed: int, *, stop_strings: Sequence[str] = (), stop_at_eos: bool = True,
     ) -> list[Generation]:  # fmt: skip
-        saved = (
-            None if weights is None else self.samplers.adapter_at(weights, self._read(weights))
-        )
+        saved = None if weights is None else self.samplers.adapter_at(weights, self._read(weights))
         if stop_at_eos:
             sampling = replace(sampling, stop_ids=(*sampling.stop_ids, self.chat.eos_id))
         generations = await self.samplers.sample(saved, prompts, sampling, seed)
         return [self._cut(g, stop_strings) for g in generations] if stop_strings else generations
+
+    def prompt_logprobs(self, weights: Path | None, prompt: Sequence[int]) -> list[float]:
+        saved = None if weights is None else self.samplers.adapter_at(weights, self._read(weights))
+        policy = self.base if saved is None else self._scorer(saved)
+        ids = torch.tensor([list(prompt)])
+        with torch.no_grad():
+            logprobs = torch.log_softmax(policy(ids), -1)[0, :-1]
+        return logprobs.gather(-1, ids[0, 1:, None]).squeeze(-1).tolist()
+
+    def _scorer(self, saved: SavedAdapter) -> HFPolicy:
+        """A copy of the base with ``saved``'s adapter shape (one per shape, kept), now
+        holding its weights."""
+        policy = self._scorers.get(saved.shape)
+        if policy is None:
+            policy = self._scorers[saved.shape] = copy.deepcopy(self.base)
+            add_lora(policy, saved.settings, 0)
+            policy.eval()
+        tensors = {name.removeprefix(PREFIX): t for name, t in saved.adapter.tensors.items()}
+        load_adapter_state(policy, tensors)
+        return policy
 
     def _cut(self, generation: Generation, stops: Sequence[str]) -> Generation:
         """``generation`` through the token that completes its first stop string."""

@@ -303,7 +303,10 @@ class TinkerService:
                 ref.weights, [prompt] * request.num_samples, sampling, seed,
                 stop_strings=strings, stop_at_eos=eos,
             )  # fmt: skip
-            return Reply(wire.sample_response(generations), wire.PROTOBUF)
+            scored = None
+            if request.prompt_logprobs:
+                scored = await self.lane.run(self.backend.prompt_logprobs, ref.weights, prompt)
+            return Reply(wire.sample_response(generations, scored), wire.PROTOBUF)
 
         return job
 
@@ -313,8 +316,8 @@ class TinkerService:
         params = request.sampling_params
         limit = self.backend.max_length
         unserved = {
-            "prompt_logprobs": request.prompt_logprobs, "topk_prompt_logprobs":
-            request.topk_prompt_logprobs, "topk_sample_logprobs": request.topk_sample_logprobs,
+            "topk_prompt_logprobs": request.topk_prompt_logprobs,
+            "topk_sample_logprobs": request.topk_sample_logprobs,
             "prompt_alt_tokens_k": request.prompt_alt_tokens_k,
             "sampling_params.top_k": params.top_k not in (-1, 0),
         }  # fmt: skip
