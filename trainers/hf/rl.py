@@ -195,8 +195,9 @@ class HFRollouts(PolicyGradientTrainer[Any]):
         )  # fmt: skip
 
     def training_backend(self) -> HFTrainingBackend:
-        options = self.config.engine_options
-        return training_backend(self.policy, self.chat, options, self.run_config)
+        cfg = self.config
+        return training_backend(self.policy, self.chat, cfg.engine, cfg.engine_options,
+                                self.run_config, self.engine)  # fmt: skip
 
     @property
     def max_len(self) -> int:

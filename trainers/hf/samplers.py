@@ -3,11 +3,15 @@ policy, started on first use and kept until the server stops, that serve the bas
 weights or one saved adapter at a time.
 
 A request names the adapter it samples from (a saved state's path) or none (the base
-model). Each adapter shape (rank, alpha, adapted modules) has its engine, a copy of the
-base with that shape's LoRA layers, and the base model one without; an engine switches
+model). With the "local" engine (transformers), each adapter shape (rank, alpha,
+adapted modules) has its engine, a copy of the base with that shape's LoRA layers, and
+the base model one without. With "vllm" or "vllm-server", the run's own engine serves
+every shape up to ``engine_options.lora_rank`` (which must be set: vLLM is built with
+LoRA support only then), and the base model as an adapter whose up-projection is zero
+(it adds exactly nothing). An engine switches
 to another adapter only when no generation runs on the one it serves, and a switch is
-an ordinary ``update_adapter`` (copied into its layers), so concurrent requests for
-the same adapter share it and a request never samples from another's weights.
+an ordinary ``update_adapter``, so concurrent requests for the same adapter share it
+and a request never samples from another's weights.
 """
 
 from __future__ import annotations
@@ -24,14 +28,17 @@ from typing import Any
 import anyio
 
 from corun.base.config import Config
+from corun.base.errors import ConfigError
 from corun.contract.engine import Adapter, AdapterEngine, Engine, Generation, Sampling
 from corun.contract.trainer import SetupContext
+from corun.contract.training_api import RequestError
 from corun.engines.options import EngineOptions
-from corun.engines.start import start_engine
-from trainers.hf.lora import LoraSettings, add_lora
+from corun.engines.start import EngineKind, start_engine
+from trainers.hf.lora import LoraSettings, adapter, add_lora
 from trainers.hf.policy import HFPolicy
 
 KEPT_ADAPTERS = 16  # saved adapters kept read in memory (most recently used)
+BASE = Path("<base model>")  # the base model's zero adapter, as the engine knows it
 
 
 @dataclass(frozen=True)
@@ -80,12 +87,27 @@ class _Slot:
 class Samplers:
     """The engines of one base policy, by adapter shape (None: the base model)."""
 
-    def __init__(self, base: HFPolicy, pad_id: int, options: EngineOptions, config: Config) -> None:
+    def __init__(
+        self, base: HFPolicy, pad_id: int, kind: EngineKind, options: EngineOptions,
+        config: Config, engine: Engine | None = None,
+    ) -> None:  # fmt: skip
+        """``engine``: the run's started engine, which a "vllm" or "vllm-server" kind
+        samples with (the "local" kind starts its own, one per adapter shape)."""
         self.base = base
         self.pad_id = pad_id
+        self.kind = kind
         self.options = options
         self.config = config
+        self._base_adapter: SavedAdapter | None = None
         self._slots: dict[Any, _Slot] = {}
+        if kind != "local":
+            if engine is None or options.lora_rank is None:
+                raise ConfigError(
+                    "`$.trainer.engine_options.lora_rank`: the Tinker API samples LoRA "
+                    f"adapters on the {kind!r} engine: set the highest rank clients use "
+                    "(e.g. 32), so that vLLM is built with LoRA support"
+                )
+            self._slots[None] = _Slot(engine)
         self._starting = anyio.Lock()
         self._shutdowns: list[Callable[[], Awaitable[None] | None]] = []
         self._adapters: OrderedDict[Path, SavedAdapter] = OrderedDict()
@@ -106,22 +128,40 @@ class Samplers:
         self, saved: SavedAdapter | None, prompts: Sequence[Sequence[int]], sampling: Sampling,
         seed: int,
     ) -> list[Generation]:  # fmt: skip
+        if self.kind != "local":
+            saved = self._for_vllm(saved)
         slot = await self._slot(saved)
         async with slot.using(saved) as engine:
             return await engine.generate(prompts, sampling, seed)
 
+    def _for_vllm(self, saved: SavedAdapter | None) -> SavedAdapter:
+        """``saved``, or the base model's zero adapter; a rank the engine cannot take
+        refused."""
+        if saved is None:
+            if self._base_adapter is None:
+                policy = copy.deepcopy(self.base)
+                add_lora(policy, LoraSettings(rank=1), 0)  # B starts at zero: the base
+                self._base_adapter = SavedAdapter(BASE, LoraSettings(rank=1), adapter(policy))
+            return self._base_adapter
+        if saved.settings.rank > (self.options.lora_rank or 0):
+            raise RequestError(
+                f"LoRA rank {saved.settings.rank}: the {self.kind!r} engine takes ranks up "
+                f"to {self.options.lora_rank} (trainer.engine_options.lora_rank)"
+            )
+        return saved
+
     async def _slot(self, saved: SavedAdapter | None) -> _Slot:
-        key = None if saved is None else saved.shape
+        key = None if saved is None or self.kind != "local" else saved.shape
         async with self._starting:  # one start per shape, even for requests arriving together
             if key not in self._slots:
                 self._slots[key] = _Slot(await self._start(saved))
         return self._slots[key]
 
     async def _start(self, saved: SavedAdapter | None) -> Engine:
+        ctx = SetupContext(self.config, register=lambda _, fn: self._shutdowns.append(fn))
         policy = copy.deepcopy(self.base)
         if saved is not None:
             add_lora(policy, saved.settings, 0)
-        ctx = SetupContext(self.config, register=lambda _, fn: self._shutdowns.append(fn))
         return await start_engine("local", self.options, policy, self.pad_id, ctx,
                                   interrupt=False)  # fmt: skip
 

@@ -114,7 +114,7 @@ class HFSFTTrainer(SFTTrainer):
         return {"eval/loss": value, **rewards}
 
     def training_backend(self) -> HFTrainingBackend:
-        return training_backend(self.model, self.chat, EngineOptions(), self.run_config)
+        return training_backend(self.model, self.chat, "local", EngineOptions(), self.run_config)
 
     def wandb_extra(self) -> dict[str, Any]:
         return {"model/num_params": self.model.num_params(), "model/source": str(self.model.source)}

@@ -33,7 +33,7 @@ from torch import Tensor
 from corun import CheckpointError, ConfigError
 from corun.agents.chat import find_stop
 from corun.base.config import Config
-from corun.contract.engine import Generation, Sampling
+from corun.contract.engine import Engine, Generation, Sampling
 from corun.contract.training_api import (
     LOSS_INPUTS,
     AdamStep,
@@ -45,6 +45,7 @@ from corun.contract.training_api import (
     RequestError,
 )
 from corun.engines.options import EngineOptions
+from corun.engines.start import EngineKind
 from corun.records import checkpoint
 from trainers.hf.lora import (
     PREFIX,
@@ -381,10 +382,11 @@ class HFTrainingBackend:
 
 
 def training_backend(
-    policy: HFPolicy, chat: ChatFormat, options: EngineOptions, config: Config
-) -> HFTrainingBackend:
+    policy: HFPolicy, chat: ChatFormat, kind: EngineKind, options: EngineOptions,
+    config: Config, engine: Engine | None = None,
+) -> HFTrainingBackend:  # fmt: skip
     """The training API's models over an hf kind's set-up ``policy`` (its base weights),
-    sampled by "local" engines with ``options``."""
+    sampled on ``kind`` engines with ``options`` (a vLLM kind: the run's ``engine``)."""
     if is_lora(policy):
         raise ConfigError(
             "`$.trainer.lora`: with serve.tinker each client chooses its own adapters; "
@@ -392,4 +394,5 @@ def training_backend(
         )
     spec = str(getattr(config.trainer, "model", ""))
     names = [name for name in (spec, str(policy.source)) if name]
-    return HFTrainingBackend(policy, chat, names, Samplers(policy, chat.pad_id, options, config))
+    samplers = Samplers(policy, chat.pad_id, kind, options, config, engine)
+    return HFTrainingBackend(policy, chat, names, samplers)
