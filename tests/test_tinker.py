@@ -13,6 +13,7 @@ import math
 import os
 import threading
 from collections.abc import Iterator
+from importlib.util import find_spec
 from pathlib import Path
 from typing import Any
 
@@ -271,3 +272,38 @@ def _wait(predicate: Any, timeout_s: float = 120) -> bool:
     from tests.support.processes import wait_until
 
     return bool(wait_until(predicate, timeout_s, poll_s=0.1))
+
+
+@pytest.mark.skipif(find_spec("vllm") is None, reason="needs the vllm extra")
+def test_samples_on_the_runs_vllm_engine(tmp_path: Path) -> None:
+    """An hf_grpo config with a vLLM engine: the sampled log-probs are the trainer's,
+    the base model samples, and a rank above the engine's is the client's error."""
+    engine = {"engine": "vllm", "engine_options": {"lora_rank": 8}}
+    with tinker_server(tmp_path, kind="hf_grpo", rollout_correction="none", **engine) as server:
+        service = tinker.ServiceClient(base_url=server.url, api_key=API_KEY)
+        client = service.create_lora_training_client(base_model=server.model_dir, rank=8).result()
+        tokenizer = client.get_tokenizer()
+        data = [_chat(tokenizer, f"{a}+{a}=?", str(2 * a)) for a in range(1, 5)]
+        for _ in range(3):
+            _loss(client, data, 1e-2)
+        sampler = client.save_weights_and_get_sampling_client().result()
+        prompt = tokenizer("user: 3+3=?\nassistant:")["input_ids"]
+        asked, params = types.ModelInput.from_ints(prompt), types.SamplingParams(max_tokens=8)
+        (sequence,) = sampler.sample(asked, 1, params).result().sequences
+        ids = prompt + sequence.tokens
+        datum = types.Datum(model_input=types.ModelInput.from_ints(ids[:-1]), loss_fn_inputs={
+            "target_tokens": ids[1:], "weights": [1.0] * (len(ids) - 1)})  # fmt: skip
+        trained = client.forward([datum], "cross_entropy").result()
+        ours = trained.loss_fn_outputs[0]["logprobs"].tolist()[len(prompt) - 1 :]
+        assert np.allclose(ours, sequence.logprobs, atol=1e-4), (ours, sequence.logprobs)
+        base = service.create_sampling_client(base_model=server.model_dir)
+        assert (
+            len(base.sample(types.ModelInput.from_ints(prompt), 2, params).result().sequences) == 2
+        )
+        wide = service.create_lora_training_client(base_model=server.model_dir, rank=16).result()
+        with pytest.raises(tinker.RequestFailedError, match="takes ranks up to 8") as refused:
+            wide.save_weights_and_get_sampling_client().result().sample(asked, 1, params).result()
+        assert refused.value.category == "user"
+        service.close("success").result()
+        assert server.stop() == 130, server.stderr()[-2000:]
+        assert not server.listening()

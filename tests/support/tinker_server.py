@@ -46,13 +46,14 @@ class TinkerProcess:
 
 
 @contextmanager
-def tinker_server(tmp: Path, **serve: object) -> Iterator[TinkerProcess]:
-    """Serve the Tinker API for the block; killed if it outlives it."""
+def tinker_server(tmp: Path, **trainer: object) -> Iterator[TinkerProcess]:
+    """Serve the Tinker API for the block (``trainer``: the [trainer] table's keys, an
+    hf_sft's by default); killed if it outlives it."""
     model_dir = str(built_in().resolve())
     config = {
         "run": {"name": "tinker", "dir": str(tmp / "run"), "seed": 0},
-        "serve": {"tinker": True, **serve},
-        "trainer": {"kind": "hf_sft", "model": f"hf:{model_dir}", "eval_size": 1},
+        "serve": {"tinker": True},
+        "trainer": {"kind": "hf_sft", "model": f"hf:{model_dir}", "eval_size": 1, **trainer},
     }
     (tmp / "tinker.toml").write_text(tomli_w.dumps(config))
     out, log = tmp / "serve.out", tmp / "serve.err"
