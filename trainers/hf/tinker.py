@@ -26,6 +26,7 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
+import anyio
 import msgspec
 import torch
 from torch import Tensor
@@ -186,12 +187,11 @@ class HFTrainingModel:
     def load(self, path: Path, *, optimizer: bool) -> None:
         state = read_state(path)
         try:
-            if optimizer and state.get("optimizer"):
+            if optimizer:
                 load_hf_state(state, self.policy, self.optimizer)
-            else:
+            else:  # the adapters alone: the optimizer keeps its state
                 check_same_model(state, self.policy, "checkpoint")
-                load_hf_state({**state, "optimizer": self.optimizer.state_dict()},
-                              self.policy, self.optimizer)  # fmt: skip
+                load_adapter_state(self.policy, state["model"])
         except CheckpointError as exc:
             raise RequestError(f"{path.name}: {exc}") from None
         if optimizer:
@@ -328,7 +328,11 @@ class HFTrainingBackend:
         self, weights: Path | None, prompts: Sequence[Sequence[int]], sampling: Sampling,
         seed: int, *, stop_strings: Sequence[str] = (), stop_at_eos: bool = True,
     ) -> list[Generation]:  # fmt: skip
-        saved = None if weights is None else self.samplers.adapter_at(weights, self._read(weights))
+        saved = None
+        if weights is not None:  # read from disk once, off the event loop
+            saved = await anyio.to_thread.run_sync(
+                self.samplers.adapter_at, weights, self._read(weights)
+            )
         if stop_at_eos:
             sampling = replace(sampling, stop_ids=(*sampling.stop_ids, self.chat.eos_id))
         generations = await self.samplers.sample(saved, prompts, sampling, seed)

@@ -265,14 +265,14 @@ class TinkerService:
 
     def sample(self, request: wire.Sample) -> Future:
         """Start a sampling request; its checks answered as the client's error."""
+        if self._sampling >= self.config.tinker_queue:
+            raise Busy(f"{self._sampling} sampling requests are waiting")
         future = self.futures.create()
         try:
             job = self._sampling_job(request)
         except RequestError as exc:
             future.set(Reply.error(str(exc), "user"))
             return future
-        if self._sampling >= self.config.tinker_queue:
-            raise Busy(f"{self._sampling} sampling requests are waiting")
         self._sampling += 1
 
         async def run() -> None:
