@@ -199,7 +199,10 @@ def _datum(datum: tinker_public_pb2.Datum, index: int) -> Datum:
         which = chunk.WhichOneof("chunk")
         if which != "encoded_text":
             raise RequestError(f"data[{index}].model_input: a {which!r} chunk; text models only")
-        tokens += np.frombuffer(chunk.encoded_text.tokens, "<i4").tolist()
+        raw = chunk.encoded_text.tokens
+        if len(raw) % 4:
+            raise RequestError(f"data[{index}].model_input: tokens are int32, {len(raw)} bytes")
+        tokens += np.frombuffer(raw, "<i4").tolist()
     inputs = {key: _tensor(t, f"data[{index}].loss_fn_inputs[{key!r}]")
               for key, t in datum.loss_fn_inputs.items()}  # fmt: skip
     return Datum(tokens, inputs)
@@ -214,6 +217,9 @@ def _tensor(tensor: tinker_public_pb2.Tensor, where: str) -> torch.Tensor:
     if tensor.WhichOneof("encoding") != "dense":
         raise RequestError(f"{where}: only dense tensors are served (one value per token)")
     layout, _ = _DTYPES[tensor.dtype]
+    size = np.dtype(layout).itemsize
+    if len(tensor.dense) % size:
+        raise RequestError(f"{where}: {len(tensor.dense)} bytes is no whole number of values")
     values = np.frombuffer(tensor.dense, layout)
     shape = list(tensor.shape)
     if math.prod(shape) != values.size:
