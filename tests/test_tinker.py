@@ -24,6 +24,7 @@ import tinker
 from tinker import types
 from tinker.proto import tinker_public_pb2 as pb
 
+from tests.support.cli import assert_usage_error, base_toml, call_main
 from tests.support.tinker_server import API_KEY, TinkerProcess, tinker_server
 
 pytestmark = pytest.mark.slow
@@ -307,3 +308,15 @@ def test_samples_on_the_runs_vllm_engine(tmp_path: Path) -> None:
         service.close("success").result()
         assert server.stop() == 130, server.stderr()[-2000:]
         assert not server.listening()
+
+
+@pytest.mark.usefixtures("restore_process_state")
+def test_tinker_is_served_not_trained_and_only_by_hf_kinds(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    code, _, err = call_main(["train", "tinker", f"run.dir={tmp_path / 'a'}"], capsys)
+    assert_usage_error(code, err, "$.serve.tinker", "corun serve")
+    config = tmp_path / "fake.toml"
+    config.write_text(base_toml(tmp_path / "b", "") + "\n[serve]\ntinker = true\n")
+    code, _, err = call_main(["serve", str(config)], capsys)
+    assert_usage_error(code, err, "$.serve.tinker", "serves no models to train")
