@@ -43,22 +43,28 @@ def bearer_token(config: ServeConfig) -> str:
     return value
 
 
-class Endpoint:
-    """The endpoint of ``policy``; ``lane`` is its own compute lane (where a policy that
-    generates in process runs: ``Trainer.served_policy(lane)``), closed when it stops."""
+class HTTPService:
+    """An ASGI app on ``[serve]``'s socket as a task with a lifetime: :meth:`run` serves
+    until :meth:`stop`, gracefully, with the subclass's background tasks beside it
+    (:meth:`start_background`, ended by :meth:`end_background` once no request is left);
+    ``lane`` is its compute lane, closed when it stops."""
 
-    def __init__(
-        self, policy: ServedPolicy, config: ServeConfig, lane: Lane,
-        inbox: EpisodeInbox | None = None,
-    ) -> None:  # fmt: skip
+    app: object
+
+    def __init__(self, config: ServeConfig, lane: Lane) -> None:
         self.config = config
         self.lane = lane
-        self.batcher = Batcher(policy, config.max_batch, config.batch_wait_ms / 1000)
-        self.recorder = Recorder(policy, inbox, config.episode_ttl_s)
-        self.app = build_app(policy, self.batcher, self.recorder, bearer_token(config))
         self.url = ""
         self._stop = anyio.Event()
         self._stopped = anyio.Event()
+
+    async def start_background(self, tasks: anyio.abc.TaskGroup) -> None:
+        """Start what serves beside the routes, in ``tasks``."""
+
+    def end_background(self) -> None:
+        """Let the background tasks end (no request is left). Not by cancelling their
+        task group: on asyncio that cancel escaped into the run's own task group and
+        lost its last save."""
 
     async def run(
         self, *, task_status: anyio.abc.TaskStatus[str] = anyio.TASK_STATUS_IGNORED
@@ -72,13 +78,10 @@ class Endpoint:
             try:
                 with anyio.CancelScope(shield=True):
                     async with anyio.create_task_group() as tasks:
-                        tasks.start_soon(self.batcher.run)
+                        await self.start_background(tasks)
                         task_status.started(self.url)
                         await serve(self.app, hypercorn, self._stop.wait)
-                        # No request is left: the batcher ends by running out of them.
-                        # (Not by cancelling its task group: on asyncio that cancel
-                        # escaped into the run's own task group and lost its last save.)
-                        self.batcher.close()
+                        self.end_background()
             finally:
                 self._stopped.set()
 
@@ -98,6 +101,26 @@ class Endpoint:
                 yield url
             finally:
                 await self.stop()
+
+
+class Endpoint(HTTPService):
+    """The endpoint of ``policy``; ``lane`` is its own compute lane (where a policy that
+    generates in process runs: ``Trainer.served_policy(lane)``), closed when it stops."""
+
+    def __init__(
+        self, policy: ServedPolicy, config: ServeConfig, lane: Lane,
+        inbox: EpisodeInbox | None = None,
+    ) -> None:  # fmt: skip
+        super().__init__(config, lane)
+        self.batcher = Batcher(policy, config.max_batch, config.batch_wait_ms / 1000)
+        self.recorder = Recorder(policy, inbox, config.episode_ttl_s)
+        self.app = build_app(policy, self.batcher, self.recorder, bearer_token(config))
+
+    async def start_background(self, tasks: anyio.abc.TaskGroup) -> None:
+        tasks.start_soon(self.batcher.run)
+
+    def end_background(self) -> None:
+        self.batcher.close()  # the batcher ends by running out of requests
 
 
 def listen(config: ServeConfig) -> socket.socket:

@@ -151,6 +151,12 @@ class Turns:
         self._closed = True
         self._arrived.set()
 
+    def abandon(self) -> None:
+        """Drop what is queued (its futures failed already) and end :meth:`run` once the
+        request running now completes."""
+        self._waiting.clear()
+        self.close()
+
     async def run(self) -> None:
         while True:
             if self.next not in self._waiting:

@@ -88,17 +88,26 @@ class TinkerService:
         self._creating: dict[str, Future] = {}
         self._sampling = 0
         self._tasks: anyio.abc.TaskGroup | None = None
+        self._closed = anyio.Event()
 
     async def run(self, *, task_status: anyio.abc.TaskStatus[None]) -> None:
-        """Host the model workers and sampling tasks until cancelled."""
+        """Host the model workers and sampling tasks until :meth:`close`, then wait for
+        the requests running."""
         async with anyio.create_task_group() as tasks:
             self._tasks = tasks
             task_status.started()
-            await anyio.sleep_forever()
+            await self._closed.wait()
+        self._tasks = None
+
+    def close(self) -> None:
+        """Take no more work and drop the models' queued requests."""
+        for model in self.models.values():
+            model.turns.abandon()
+        self._closed.set()
 
     def _spawn(self, fn: Callable[[], Coroutine[Any, Any, None]]) -> None:
-        if self._tasks is None:
-            raise RuntimeError("the Tinker service is not running")
+        if self._tasks is None or self._closed.is_set():
+            raise RequestError("the server is stopping")
         self._tasks.start_soon(fn)
 
     # ------------------------------------------------------------------ sessions
@@ -170,7 +179,8 @@ class TinkerService:
 
         async def serve() -> None:
             await entry.turns.run()
-            self.models.pop(model_id, None)  # its session finished
+            if session_id not in self.sessions:  # it finished: release the model
+                self.models.pop(model_id, None)
 
         self._spawn(serve)
         return entry
