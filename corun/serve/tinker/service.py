@@ -175,7 +175,6 @@ class TinkerService:
         model_id = model_name(session_id, seq)
         entry = Model(model_id, session_id, base_model, shape, model,
                       Turns(self.config.tinker_queue))  # fmt: skip
-        self.models[model_id] = entry
 
         async def serve() -> None:
             await entry.turns.run()
@@ -183,6 +182,7 @@ class TinkerService:
                 self.models.pop(model_id, None)
 
         self._spawn(serve)
+        self.models[model_id] = entry
         return entry
 
     def model(self, model_id: str) -> Model:
