@@ -146,3 +146,23 @@ def test_parallel_benchmark_tiny(tmp_path: Path) -> None:
     assert 0 < lora["weight_bytes"] < full["weight_bytes"]
     assert [len(run["peaks_mb"]) for run in sharded] == [2, 2]
     assert _processes_with(f"CORUN_BENCHMARK_TAG={tag}".encode()) == []
+
+
+@pytest.mark.slow  # ~30 s on 2 CPUs: the server's start and 14 rounds of 6 calls a side
+def test_tinker_benchmark_quick(tmp_path: Path) -> None:
+    """Every call through the SDK and in process, the same work on both sides (losses
+    call by call, full-length samples), and the server child stopped on the way out."""
+    pytest.importorskip("tinker")
+    stdout, figures, tag = _quick_benchmark("tinker", tmp_path, timeout=300)
+    assert "| call | SDK p50 ms | SDK p90 ms | in process p50 ms" in stdout
+    assert "overhead p50 ms" in stdout and "SDK / in process" in stdout
+    rows, rounds = figures["rows"], figures["settings"]["rounds"]
+    assert [r["call"] for r in rows] == ["fb1", "fb8", "optim", "step8", "sample1", "sample4"]
+    for row in rows:
+        assert len(row["sdk_ms"]) == len(row["direct_ms"]) == rounds, row["call"]
+        assert min(row["sdk_ms"] + row["direct_ms"]) > 0, row["call"]
+        assert row["sdk_p90_ms"] >= row["sdk_p50_ms"] > 0 and row["direct_p50_ms"] > 0
+        assert isinstance(row["overhead_ms"], float) and row["ratio"] > 0
+        assert row["label"] in stdout
+    assert figures["loss_max_rel_diff"] < 1e-3  # the two models trained alike
+    assert _processes_with(f"CORUN_BENCHMARK_TAG={tag}".encode()) == []

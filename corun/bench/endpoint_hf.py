@@ -37,7 +37,6 @@ engines down.
 from __future__ import annotations
 
 import argparse
-import inspect
 import json
 import math
 import os
@@ -48,7 +47,7 @@ import sys
 import tempfile
 import time
 import uuid
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import AsyncIterator, Sequence
 from contextlib import AsyncExitStack, asynccontextmanager
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
@@ -64,9 +63,8 @@ from anyio.streams.buffered import BufferedByteReceiveStream
 from corun.base.config import ServeConfig
 from corun.bench.quiet import OtherLoad
 from corun.bench.report import Note, Table, fmt, markdown_table
+from corun.bench.setup import set_up
 from corun.contract.config_file import config_from_dict
-from corun.contract.registry import resolve_trainer
-from corun.contract.trainer import SetupContext
 from corun.execution.compute import Lane
 from corun.serve.server import Endpoint
 
@@ -153,29 +151,13 @@ async def served(engine: str) -> AsyncIterator[tuple[Endpoint, Any]]:
         run_dir = stack.enter_context(tempfile.TemporaryDirectory(prefix="corun-endpoint-hf-"))
         config = config_from_dict({"run": {"name": MODEL, "dir": run_dir},
                                    "trainer": {**TRAINER, "engine": engine}})  # fmt: skip
-        trainer: Any = resolve_trainer(config.trainer.kind)(config)
-        ctx = SetupContext(config)
-        ctx.lane = Lane("train")
-        stack.callback(ctx.lane.close)
-        stack.push_async_callback(_teardown, ctx)
-        await _call(trainer.setup, ctx)
+        trainer = await set_up(config, stack, train_lane=True)
         serve_lane = Lane("serve")  # the endpoint's own (closed when it stops)
         endpoint = Endpoint(
             trainer.served_policy(serve_lane), ServeConfig(enabled=True), serve_lane
         )
         async with endpoint.running():
             yield endpoint, trainer
-
-
-async def _teardown(ctx: SetupContext) -> None:
-    for _, step in reversed(ctx.teardowns):
-        await _call(step)
-
-
-async def _call(hook: Callable[..., Any], *args: Any) -> None:
-    """A hook, sync or async, on this thread (a benchmark's set-up, not a run's)."""
-    if inspect.isawaitable(result := hook(*args)):
-        await result
 
 
 # ----------------------------------------------------------------------------- the agents

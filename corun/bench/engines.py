@@ -29,18 +29,17 @@ engines are shut down, the server as a process group, and the GRPO child gets SI
 from __future__ import annotations
 
 import argparse
-import inspect
 import os
 import signal
 import statistics
 import sys
 import tempfile
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from contextlib import AsyncExitStack
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any, get_args
+from typing import get_args
 
 import anyio
 import msgspec
@@ -49,10 +48,9 @@ import torch
 from corun.bench import grpo_step
 from corun.bench.quiet import OtherLoad, rotated
 from corun.bench.report import Note, Table, fmt, markdown_table
+from corun.bench.setup import set_up
 from corun.contract.config_file import config_from_dict
 from corun.contract.engine import Engine, Sampling
-from corun.contract.registry import resolve_trainer
-from corun.contract.trainer import SetupContext
 from corun.engines.options import VLLMConfig
 from corun.engines.start import EngineKind, Policy
 from corun.engines.transformers_engine import TransformersEngine
@@ -115,24 +113,11 @@ async def hf_policy(prompts: int, stack: AsyncExitStack) -> tuple[Policy, int, l
     set up until ``stack`` closes): its policy, pad id and ``prompts`` held-out prompts
     in its chat format."""
     run_dir = stack.enter_context(tempfile.TemporaryDirectory(prefix="corun-engines-"))
-    trainer: Any = resolve_trainer("hf_grpo")(config_from_dict({"run": {"dir": run_dir},
-        "trainer": {**HF_TRAINER, "eval_size": prompts}}))  # fmt: skip
-    ctx = SetupContext(trainer.run_config)
-    stack.push_async_callback(teardown, ctx)
-    await _call(trainer.setup, ctx)
+    config = config_from_dict({"run": {"dir": run_dir},
+                               "trainer": {**HF_TRAINER, "eval_size": prompts}})  # fmt: skip
+    trainer = await set_up(config, stack)
     chat = trainer.chat
     return trainer.policy, chat.pad_id, [chat.encode(e.prompt) for e in trainer.eval_examples]
-
-
-async def teardown(ctx: SetupContext) -> None:
-    for _, step in reversed(ctx.teardowns):
-        await _call(step)
-
-
-async def _call(hook: Callable[..., Any], *args: Any) -> None:
-    """A hook, sync or async, on this thread (a benchmark's set-up, not a run's)."""
-    if inspect.isawaitable(result := hook(*args)):
-        await result
 
 
 async def start_engine(kind: EngineKind, policy: Policy, pad_id: int) -> Engine:

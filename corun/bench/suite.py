@@ -43,6 +43,7 @@ SUITES = {  # name: the module (corun/bench/<module>.py) whose `suite` it is
     "engines": "engines",
     "shared": "shared",
     "parallel": "parallel",
+    "tinker": "tinker",
 }
 GRIDS = ("full", "quick", "tiny")
 EXIT_USAGE, EXIT_INTERRUPTED = 2, 130

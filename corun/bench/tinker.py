@@ -6,7 +6,7 @@ made as the server makes its own). The built-in tiny Llama, rank-8 LoRA adapters
 seeded alike on both sides, the same data and sampling seeds. The ``tinker`` suite of
 ``corun bench``, and a program of its own::
 
-    python -m corun.bench.tinker                        # ~1.5 min on 2 CPUs
+    python -m corun.bench.tinker                        # ~70 s on 2 CPUs
     python -m corun.bench.tinker --quick --json out.json  # ~30 s (the test's)
 
 The calls, each timed on its own, in rounds that alternate which side goes first:
@@ -28,7 +28,6 @@ with SIGINT however the run ends. Nothing is asserted about timings: they belong
 from __future__ import annotations
 
 import argparse
-import inspect
 import json
 import math
 import os
@@ -38,12 +37,12 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import AsyncIterator, Callable, Iterator, Sequence
+from collections.abc import AsyncIterator, Iterator, Sequence
 from contextlib import AsyncExitStack, asynccontextmanager, contextmanager
 from dataclasses import asdict, dataclass, field
 from functools import partial
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import torch
 from anyio.from_thread import start_blocking_portal
@@ -51,10 +50,9 @@ from anyio.from_thread import start_blocking_portal
 from corun.base.config import Config
 from corun.bench.quiet import OtherLoad
 from corun.bench.report import Note, Table, fmt, markdown_table
+from corun.bench.setup import set_up
 from corun.contract.config_file import load_config
 from corun.contract.engine import Sampling
-from corun.contract.registry import resolve_trainer
-from corun.contract.trainer import SetupContext
 from corun.contract.training_api import AdamStep, Datum, LoraShape, TrainingBackend
 from corun.execution.compute import Lane
 from corun.loop.lanes import lane
@@ -289,12 +287,7 @@ async def direct_backend(config: Config) -> AsyncIterator[tuple[TrainingBackend,
     """The recipe's trainer set up through the registry, as ``corun serve`` sets it up,
     its training backend and a serve lane; all of it torn down on the way out."""
     async with AsyncExitStack() as stack:
-        trainer = resolve_trainer(config.trainer.kind)(config)
-        ctx = SetupContext(config)
-        ctx.lane = Lane("train")
-        stack.callback(ctx.lane.close)
-        stack.push_async_callback(_teardown, ctx)
-        await _call(trainer.setup, ctx)
+        trainer = await set_up(config, stack, train_lane=True)
         backend = trainer.training_backend()
         if backend is None:
             raise RuntimeError(f"trainer {config.trainer.kind!r} serves no training API")
@@ -302,17 +295,6 @@ async def direct_backend(config: Config) -> AsyncIterator[tuple[TrainingBackend,
         stack.callback(serve_lane.close)
         stack.push_async_callback(backend.close)
         yield backend, serve_lane
-
-
-async def _teardown(ctx: SetupContext) -> None:
-    for _, step in reversed(ctx.teardowns):
-        await _call(step)
-
-
-async def _call(hook: Callable[..., Any], *args: Any) -> None:
-    """A hook, sync or async, on this thread (a benchmark's set-up, not a run's)."""
-    if inspect.isawaitable(result := hook(*args)):
-        await result
 
 
 # ----------------------------------------------------------------------------- the server
@@ -369,7 +351,11 @@ def serving(folder: Path) -> Iterator[Server]:
 
 def measure(settings: Settings, folder: Path) -> Figures:
     """Both sides, round after round (see the module's docstring)."""
-    import tinker
+    try:
+        import tinker
+    except ImportError:
+        needs = "the tinker suite needs the Tinker SDK: pip install 'corun[tinker]'"
+        raise RuntimeError(needs) from None
 
     os.environ["TINKER_TELEMETRY"] = "0"  # its reports would be traffic beside the calls
     recipe = shipped(RECIPE)
@@ -450,6 +436,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--grid", choices=GRIDS, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     settings = GRIDS[args.grid or ("quick" if args.quick else "full")]
+    signal.signal(signal.SIGTERM, _interrupted)  # as Ctrl-C: the server stopped, then out
     others, started = OtherLoad(), time.monotonic()
     try:
         with tempfile.TemporaryDirectory(prefix="corun-bench-tinker-") as folder:
@@ -466,6 +453,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.json:
         args.json.write_text(json.dumps(asdict(result), indent=1))
     return 0
+
+
+def _interrupted(signum: int, frame: object) -> None:
+    raise KeyboardInterrupt
 
 
 if __name__ == "__main__":
