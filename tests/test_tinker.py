@@ -78,6 +78,11 @@ def test_lora_client_learns_and_samples_with_the_trainers_logprobs(
     prompt = tokenizer("user: 3+3=?\nassistant:")["input_ids"]
     params = types.SamplingParams(max_tokens=12, temperature=1.0, seed=7)
     sampled = sampler.sample(types.ModelInput.from_ints(prompt), 3, params).result()
+    named = client.save_weights_for_sampler("named").result().path
+    assert named.endswith("/sampler_weights/named")
+    again = service.create_sampling_client(model_path=named)
+    resampled = again.sample(types.ModelInput.from_ints(prompt), 3, params).result()
+    assert [s.tokens for s in resampled.sequences] == [s.tokens for s in sampled.sequences]
     for sequence in sampled.sequences:
         ids = prompt + sequence.tokens
         datum = types.Datum(

@@ -30,6 +30,7 @@ from corun.serve.batching import Batcher
 from corun.serve.capture import Recorder
 
 GRACE_S = 5.0
+KEEP_ALIVE_S = 75.0
 
 
 def bearer_token(config: ServeConfig) -> str:
@@ -141,6 +142,10 @@ def served_on(listener: socket.socket) -> tuple[str, HypercornConfig]:
     # hypercorn takes (and closes) the descriptor it is given: give it a copy.
     hypercorn.bind = [f"fd://{os.dup(listener.fileno())}"]
     hypercorn.graceful_timeout = GRACE_S
+    # Longer than a client's idle connections live (httpx: 5 s, hypercorn's default too):
+    # the client closes an idle one first, never sending a request on a connection the
+    # server is closing (that request is lost: the client waits out its read timeout).
+    hypercorn.keep_alive_timeout = KEEP_ALIVE_S
     hypercorn.accesslog = None
     hypercorn.errorlog = logging.getLogger("corun.serve")
     return f"http://{host}:{port}", hypercorn

@@ -44,6 +44,7 @@ from corun.serve.tinker.futures import Future, Futures, Reply, Turns, answer
 
 SCHEME = "tinker://"
 KINDS = {"weights": "training", "sampler_weights": "sampler"}
+SAVE_TYPES = {"weights": "save_weights", "sampler_weights": "save_weights_for_sampler"}
 RECORD = "tinker.json"
 SNAPSHOTS = 4
 NAME = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.=-]*$")
@@ -237,7 +238,7 @@ class TinkerService:
         write_record(directory, model.base_model, model.shape)
         path = tinker_path(model.model_id, kind, name)
         if not snapshot:
-            return Reply.json({"path": path, "type": f"save_{kind}"})
+            return Reply.json({"path": path, "type": SAVE_TYPES[kind]})
         self._keep_snapshot(model, directory)
         session = f"{model.session_id}:sample:{request.sampling_session_seq_id or 0}"
         self.samplers[session] = SamplerRef(model.base_model, directory, path)
