@@ -215,6 +215,12 @@ def test_bad_requests_are_user_errors_and_the_server_goes_on(
         "target_tokens": good.loss_fn_inputs["target_tokens"].tolist()})  # fmt: skip
     with pytest.raises(tinker.RequestFailedError, match="needs 'weights'"):
         client.forward_backward([missing], "cross_entropy").result()
+    ppo = types.Datum(model_input=good.model_input, loss_fn_inputs={
+        "target_tokens": good.loss_fn_inputs["target_tokens"].tolist(),
+        "logprobs": [-1.0] * len(good.loss_fn_inputs["weights"].tolist()),
+        "advantages": good.loss_fn_inputs["weights"].tolist()})  # fmt: skip
+    with pytest.raises(tinker.RequestFailedError, match=r"clip_low_threshold 1\.5"):
+        client.forward_backward([ppo], "ppo", {"clip_low_threshold": 1.5}).result()
     with pytest.raises(tinker.RequestFailedError, match=r"adam_params\.learning_rate"):
         client.optim_step(types.AdamParams(learning_rate=-1.0)).result()
     with pytest.raises(tinker.RequestFailedError, match="not served here"):
@@ -222,15 +228,15 @@ def test_bad_requests_are_user_errors_and_the_server_goes_on(
     # The client goes on after its refusals: its next request runs.
     assert client.forward_backward([good], "cross_entropy").result().metrics["loss:sum"] > 0
 
-    model_id = client.model_id  # its requests so far: seq_id 1 to 4
+    model_id = client.model_id  # its requests so far: seq_id 1 to 5
     tokens = np.asarray(good.model_input.to_ints(), "<i4")
     floats = _datum(tokens.tolist(), np.zeros(len(tokens), "<f4"), np.ones(len(tokens), "<f4"))
     floats.loss_fn_inputs["target_tokens"].dtype = pb.DTYPE_FLOAT32
-    assert "target_tokens" in _raw_forward_backward(server.url, model_id, 5, floats)
+    assert "target_tokens" in _raw_forward_backward(server.url, model_id, 6, floats)
     plain = _datum(tokens.tolist(), np.zeros(len(tokens), "<i8"), np.ones(len(tokens), "<f4"))
     assert "no such model" in _raw_forward_backward(server.url, "nobody:train:0", 1, plain)
-    assert "its optim_step request" in _raw_forward_backward(server.url, model_id, 3, plain)
-    assert _raw_forward_backward(server.url, model_id, 6, plain) == ""
+    assert "its optim_step request" in _raw_forward_backward(server.url, model_id, 4, plain)
+    assert _raw_forward_backward(server.url, model_id, 7, plain) == ""
 
 
 def test_unsupported_client_versions_and_routes_are_named(server: TinkerProcess) -> None:

@@ -117,6 +117,8 @@ class HFTrainingModel:
         backward: bool,
     ) -> ForwardResult:  # fmt: skip
         check_data(data, loss, self._info.max_length, self.vocab_size)
+        if loss == "ppo":  # before any gradient is added
+            clip_band(loss_config)
         terms = LOSS_TERMS[loss]
         self.policy.train(backward)
         outputs: list[dict[str, Tensor]] = []
@@ -268,7 +270,8 @@ def importance_sampling(
     return -ratio * inputs["advantages"].float()
 
 
-def ppo(logprobs: Tensor, inputs: Mapping[str, Tensor], config: Mapping[str, float]) -> Tensor:
+def clip_band(config: Mapping[str, float]) -> tuple[float, float]:
+    """``ppo``'s ratio band from ``loss_fn_config`` (0.8 and 1.2 unless given)."""
     low = float(config.get("clip_low_threshold", 0.8))
     high = float(config.get("clip_high_threshold", 1.2))
     if not 0 < low <= 1 <= high:
@@ -276,6 +279,11 @@ def ppo(logprobs: Tensor, inputs: Mapping[str, Tensor], config: Mapping[str, flo
             f"loss_fn_config: clip_low_threshold {low}, clip_high_threshold {high}: "
             "expected 0 < low <= 1 <= high"
         )
+    return low, high
+
+
+def ppo(logprobs: Tensor, inputs: Mapping[str, Tensor], config: Mapping[str, float]) -> Tensor:
+    low, high = clip_band(config)
     ratio = torch.exp(logprobs - inputs["logprobs"].float())
     advantages = inputs["advantages"].float()
     return -torch.min(ratio * advantages, ratio.clamp(low, high) * advantages)
