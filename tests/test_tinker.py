@@ -80,7 +80,7 @@ def test_lora_client_learns_and_samples_with_the_trainers_logprobs(
     sampled = sampler.sample(types.ModelInput.from_ints(prompt), 3, params).result()
     named = client.save_weights_for_sampler("named").result().path
     assert named.endswith("/sampler_weights/named")
-    again = service.create_sampling_client(model_path=named)
+    again = service.create_sampling_client(model_path=named).result()
     resampled = again.sample(types.ModelInput.from_ints(prompt), 3, params).result()
     assert [s.tokens for s in resampled.sequences] == [s.tokens for s in sampled.sequences]
     for sequence in sampled.sequences:
@@ -308,7 +308,7 @@ def test_samples_on_the_runs_vllm_engine(tmp_path: Path) -> None:
         trained = client.forward([datum], "cross_entropy").result()
         ours = trained.loss_fn_outputs[0]["logprobs"].tolist()[len(prompt) - 1 :]
         assert np.allclose(ours, sequence.logprobs, atol=1e-4), (ours, sequence.logprobs)
-        base = service.create_sampling_client(base_model=server.model_dir)
+        base = service.create_sampling_client(base_model=server.model_dir).result()
         assert (
             len(base.sample(types.ModelInput.from_ints(prompt), 2, params).result().sequences) == 2
         )

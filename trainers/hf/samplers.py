@@ -129,19 +129,19 @@ class Samplers:
         seed: int,
     ) -> list[Generation]:  # fmt: skip
         if self.kind != "local":
-            saved = self._for_vllm(saved)
+            saved = await self._for_vllm(saved)
         slot = await self._slot(saved)
         async with slot.using(saved) as engine:
             return await engine.generate(prompts, sampling, seed)
 
-    def _for_vllm(self, saved: SavedAdapter | None) -> SavedAdapter:
+    async def _for_vllm(self, saved: SavedAdapter | None) -> SavedAdapter:
         """``saved``, or the base model's zero adapter; a rank the engine cannot take
         refused."""
         if saved is None:
             if self._base_adapter is None:
-                policy = copy.deepcopy(self.base)
-                add_lora(policy, LoraSettings(rank=1), 0)  # B starts at zero: the base
-                self._base_adapter = SavedAdapter(BASE, LoraSettings(rank=1), adapter(policy))
+                zero = LoraSettings(rank=1)  # B starts at zero: the base, exactly
+                policy = await anyio.to_thread.run_sync(self._copy, zero)
+                self._base_adapter = SavedAdapter(BASE, zero, adapter(policy))
             return self._base_adapter
         if saved.settings.rank > (self.options.lora_rank or 0):
             raise RequestError(
@@ -159,11 +159,17 @@ class Samplers:
 
     async def _start(self, saved: SavedAdapter | None) -> Engine:
         ctx = SetupContext(self.config, register=lambda _, fn: self._shutdowns.append(fn))
-        policy = copy.deepcopy(self.base)
-        if saved is not None:
-            add_lora(policy, saved.settings, 0)
+        settings = None if saved is None else saved.settings
+        policy = await anyio.to_thread.run_sync(self._copy, settings)
         return await start_engine("local", self.options, policy, self.pad_id, ctx,
                                   interrupt=False)  # fmt: skip
+
+    def _copy(self, lora: LoraSettings | None) -> HFPolicy:
+        """A copy of the base model, with ``lora``'s layers (blocking: off the loop)."""
+        policy = copy.deepcopy(self.base)
+        if lora is not None:
+            add_lora(policy, lora, 0)
+        return policy
 
     async def close(self) -> None:
         """Shut every engine down (bounded each), newest first."""
