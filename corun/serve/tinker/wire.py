@@ -222,7 +222,7 @@ def _tensor(tensor: tinker_public_pb2.Tensor, where: str) -> torch.Tensor:
         raise RequestError(f"{where}: {len(tensor.dense)} bytes is no whole number of values")
     values = np.frombuffer(tensor.dense, layout)
     shape = list(tensor.shape)
-    if math.prod(shape) != values.size:
+    if any(size < 0 for size in shape) or math.prod(shape) != values.size:
         raise RequestError(f"{where}: shape {shape} does not hold {values.size} values")
     return torch.from_numpy(values.copy()).reshape(shape)
 
