@@ -12,6 +12,7 @@ route a 404 naming it. Answers are chosen so that the SDK never retries a refusa
 
 from __future__ import annotations
 
+import shutil
 from collections.abc import Awaitable, Callable
 from typing import Any
 
@@ -24,7 +25,7 @@ from starlette.routing import Route
 from corun.contract.training_api import RequestError
 from corun.serve.tinker import wire
 from corun.serve.tinker.futures import Future
-from corun.serve.tinker.service import Busy, TinkerService, tinker_path
+from corun.serve.tinker.service import Busy, TinkerService, read_record, tinker_path
 
 HOLD_S = 25.0  # a poll held open this long, then "try again" (the SDK waits 45 s)
 MAX_BODY = 256 << 20
@@ -255,8 +256,6 @@ class _Api:
                 "last_checkpoint": None, "last_sampler_checkpoint": None}  # fmt: skip
 
     def _shape(self, model_id: str) -> tuple[str, int]:
-        from corun.serve.tinker.service import read_record
-
         model = self.service.models.get(model_id)
         if model is not None:
             return model.base_model, model.shape.rank
@@ -269,8 +268,6 @@ class _Api:
                 "cursor": None}  # fmt: skip
 
     async def delete(self, request: Request) -> Response:
-        import shutil
-
         params = request.path_params
         path = tinker_path(params["model_id"], params["kind"], params["name"])
         directory, _ = self.service.resolve(path)
@@ -278,8 +275,6 @@ class _Api:
         return Response(status_code=204)
 
     async def weights_info(self, request: Request) -> dict[str, Any]:
-        from corun.serve.tinker.service import read_record
-
         body = await _json(request, wire.SessionRequest)
         base, shape = read_record(self.service.resolve(body.tinker_path or "")[0])
         return {"base_model": base, "is_lora": True, "lora_rank": shape.rank,

@@ -16,6 +16,7 @@ the client's order; sampling runs concurrently on the trainer's engines.
 
 from __future__ import annotations
 
+import datetime
 import json
 import re
 import secrets
@@ -28,6 +29,7 @@ from typing import Any
 
 import anyio
 import anyio.abc
+import msgspec
 
 from corun.base.config import ServeConfig
 from corun.contract.engine import Sampling
@@ -411,13 +413,9 @@ def read_record(directory: Path) -> tuple[str, LoraShape]:
 
 
 def _mtime(directory: Path) -> str:
-    import datetime
-
     stamp = directory.stat().st_mtime
     return datetime.datetime.fromtimestamp(stamp, datetime.UTC).isoformat()
 
 
 def _fields(params: wire.AdamParams) -> dict[str, float]:
-    import msgspec
-
     return msgspec.structs.asdict(params)
