@@ -8,7 +8,15 @@ config.toml`` does the same from a terminal with signals and exit codes.
 from __future__ import annotations
 
 import importlib
+import os
 from typing import TYPE_CHECKING, Any
+
+# torch's OpenMP threads sleep at barriers instead of spinning, unless the user chose:
+# a spinning thread team beside another busy process waits for its descheduled member
+# at every op, and corun keeps its thread count fixed (reproducible weights) rather
+# than shrinking it (corun/execution/cores.py). Read by OpenMP when torch loads: this
+# takes effect when corun is imported first, as the `corun` command does.
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 # Where each public name lives. Imported on first use (PEP 562): ``import corun``
 # stays light, so the command's own signal handling is in place before torch loads

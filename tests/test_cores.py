@@ -56,14 +56,38 @@ def test_a_busy_neighbour_takes_a_core_off_the_estimate() -> None:
 
 
 @pytest.mark.anyio
-async def test_a_lanes_threads_are_the_free_cores_over_its_share(
+async def test_a_lanes_threads_are_fixed_whatever_else_runs(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    """Threads for a lane left at 0: the free cores, capped by the process's own
-    setting, divided by the lanes that may compute side by side; re-read per call."""
+    """Threads for a lane left at 0 (the default): the machine's cores, capped by the
+    process's own setting, divided by the lanes that may compute side by side, and
+    the same whatever the machine's load (the weights a seed gives depend on it)."""
+    monkeypatch.setattr(cores, "machine_cores", lambda: 4)
     monkeypatch.setattr(cores, "free_cores", lambda: 4)
     torch.set_num_threads(4)  # the cap each lane reads when it is made
     alone, one_of_three = Lane("alone"), Lane("worker", share=3)
+    try:
+        with anyio.fail_after(20):
+            assert alone.threads == 4 and one_of_three.threads == 1
+            assert await alone.run(torch.get_num_threads) == 4
+            monkeypatch.setattr(cores, "free_cores", lambda: 1)  # a neighbour took 3
+            assert await alone.run(torch.get_num_threads) == 4
+            assert await one_of_three.run(torch.get_num_threads) == 1
+    finally:
+        alone.close()
+        one_of_three.close()
+
+
+@pytest.mark.anyio
+async def test_adapting_lanes_follow_the_free_cores_over_their_share(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """With ``loop.adapt_threads``: the free cores, capped by the process's own
+    setting, divided by the lanes that may compute side by side; re-read per call."""
+    monkeypatch.setattr(cores, "free_cores", lambda: 4)
+    torch.set_num_threads(4)  # the cap each lane reads when it is made
+    alone, one_of_three = Lane("alone", adapt=True), Lane("worker", share=3, adapt=True)
+    assert alone.threads is None
     try:
         with anyio.fail_after(20):
             assert await alone.run(torch.get_num_threads) == 4
@@ -71,7 +95,7 @@ async def test_a_lanes_threads_are_the_free_cores_over_its_share(
             monkeypatch.setattr(cores, "free_cores", lambda: 2)  # a neighbour took 2
             assert await alone.run(torch.get_num_threads) == 2
             torch.set_num_threads(1)  # the cap was read when the lane was made
-            assert await Lane("inline", "inline").run(torch.get_num_threads) == 1
+            assert await Lane("inline", "inline", adapt=True).run(torch.get_num_threads) == 1
     finally:
         alone.close()
         one_of_three.close()
@@ -82,3 +106,35 @@ def test_lanes_side_by_side_in_a_run(tmp_path: Path) -> None:
     async_ = make_config(tmp_path, {"kind": "sft"}, loop={"concurrency": 3, "workers": 2})
     serving = make_config(tmp_path, {"kind": "sft"}, serve={"enabled": True})
     assert [cores.side_by_side(c) for c in (sync, async_, serving)] == [1, 3, 2]
+
+
+def _train_sft(run_dir: Path, busy: bool) -> dict[str, torch.Tensor]:
+    """``corun train sft`` for 30 steps with default settings (beside a busy process if
+    asked); its final weights."""
+    from tests.support.processes import REPO, corun_command, environment
+
+    hog = subprocess.Popen([sys.executable, "-c", "while True: pass"]) if busy else None
+    try:
+        done = subprocess.run(
+            [*corun_command(), "train", "sft", f"run.dir={run_dir}", "run.steps=30",
+             "loop.eval_interval=0", "loop.save_interval=30", "loop.baseline_eval=false",
+             "log.progress=off"],
+            cwd=REPO, env=environment(), capture_output=True, text=True, timeout=300,
+        )  # fmt: skip
+    finally:
+        if hog is not None:
+            hog.kill()
+            hog.wait()
+    assert done.returncode == 0, done.stderr[-2000:]
+    state = torch.load(run_dir / "checkpoints" / "step-30" / "trainer.pt", weights_only=True)
+    return dict(state["trainer"]["model"])
+
+
+@pytest.mark.slow
+def test_a_run_beside_a_busy_process_equals_the_quiet_run_bitwise(tmp_path: Path) -> None:
+    """Default settings: the lanes' thread counts do not follow the machine's load, so
+    the same seed gives the same weights, bit for bit, with a busy process beside it."""
+    quiet = _train_sft(tmp_path / "quiet", busy=False)
+    shared = _train_sft(tmp_path / "shared", busy=True)
+    assert quiet.keys() == shared.keys()
+    assert all(torch.equal(quiet[name], shared[name]) for name in quiet)

@@ -94,11 +94,14 @@ class LoopConfig(Section, frozen=True, forbid_unknown_fields=True, kw_only=True)
     # up over max_staleness is dropped and generated again).
     order: Literal["start", "completion"] = "start"
     # torch intra-op threads for each lane (the train lane and, when concurrency > 1,
-    # every rollout worker's); 0: the cores other processes leave free, re-read four
-    # times a second (split among lanes that overlap), so a busy neighbour does not stall
-    # torch's thread team. A fixed count (thread compute) makes float rounding
-    # independent of the machine's load (corun/execution/cores.py).
+    # every rollout worker's); 0: the machine's cores split among lanes that overlap,
+    # fixed for the run, so float rounding (and the weights a seed gives) never depends
+    # on the machine's load (corun/execution/cores.py).
     lane_threads: Annotated[int, msgspec.Meta(ge=0, le=1024)] = 0
+    # With lane_threads 0: follow the cores other processes leave free instead (re-read
+    # four times a second). Faster beside busy processes when torch's threads spin, but
+    # the same seed then gives weights that depend on the machine's load.
+    adapt_threads: bool = False
     # Steps between periodic evals / saves; 0 turns them off.
     eval_interval: NonNegativeInt = 0
     save_interval: NonNegativeInt = 0

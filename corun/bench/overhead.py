@@ -133,10 +133,11 @@ NOOP_KIND = f"{NoopTrainer.__module__}:{NoopTrainer.__qualname__}"
 
 
 def _config(
-    run_dir: Path, trainer: dict[str, Any], steps: int, compute: str, lane_threads: int = 0
-) -> Config:
+    run_dir: Path, trainer: dict[str, Any], steps: int, compute: str, lane_threads: int = 0,
+    adapt_threads: bool = False,
+) -> Config:  # fmt: skip
     loop = {"baseline_eval": False, "eval_interval": 0, "compute": compute,
-            "lane_threads": lane_threads}  # fmt: skip
+            "lane_threads": lane_threads, "adapt_threads": adapt_threads}  # fmt: skip
     return config_from_dict({
         "run": {"dir": str(run_dir), "steps": steps, "seed": 0}, "loop": loop,
         "log": {"progress": "off", "wandb": "disabled"}, "data": {"batch_size": SFT_BATCH},
@@ -182,7 +183,8 @@ def measure(request: Request) -> list[float]:
     if request["what"] == "noop":
         config = _config(run_dir, {"kind": NOOP_KIND}, steps, compute)
         return run_intervals(NoopTrainer(config), config, request["backend"])
-    config = _config(run_dir, SFT_TRAINER, steps, compute, request.get("lane_threads", 0))
+    config = _config(run_dir, SFT_TRAINER, steps, compute, request.get("lane_threads", 0),
+                     request.get("adapt_threads", False))  # fmt: skip
     if request["what"] == "plain":
         return plain_intervals(config)
     return run_intervals(resolve_trainer("sft")(config), config, request["backend"])

@@ -92,6 +92,7 @@ def in_fresh_interpreter(module: str, request: Request, *options: str) -> Any:
     module and corun (on PYTHONPATH, for before/after comparisons; a checkout from before
     corun/bench/ has the module in benchmarks/)."""
     env, package, tree = dict(os.environ), "corun.bench", request.get("tree")
+    env.update(request.get("env", {}))  # e.g. OMP_WAIT_POLICY, read when torch loads
     if tree is not None:
         env["PYTHONPATH"] = tree
         package = "corun.bench" if (Path(tree) / "corun" / "bench").is_dir() else "benchmarks"

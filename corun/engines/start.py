@@ -35,9 +35,8 @@ from corun.contract.trainer import SetupContext
 from corun.engines.decode import CausalLM
 from corun.engines.lora import base_weights
 from corun.engines.options import LOCAL, WHERE, EngineOptions, VLLMConfig, engine_dtype
-from corun.execution.compute import Lane
-from corun.execution.cores import side_by_side
 from corun.loop.deadlines import BoundedEngine, deadline
+from corun.loop.lanes import lane as run_lane
 
 EngineKind = Literal["local", "vllm", "vllm-server"]
 
@@ -111,8 +110,7 @@ async def _start(
         # At concurrency 1 rollouts and updates alternate on the train lane, as in a
         # hand-written loop; above it the engine generates on its own.
         shared = loop.concurrency == 1 and ctx.lane is not None
-        share = side_by_side(ctx.config)
-        lane = ctx.lane if shared else Lane("engine", loop.compute, loop.lane_threads, share)
+        lane = ctx.lane if shared else run_lane(ctx.config, "engine")
         assert lane is not None
         return TransformersEngine(
             policy, pad_id, lane, owns_lane=not shared, interrupt=interrupt,

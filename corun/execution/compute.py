@@ -147,19 +147,28 @@ class Lane:
     """One stream of blocking calls, run in order on the lane's own thread (or inline)."""
 
     def __init__(
-        self, name: str, mode: ComputeMode = "thread", torch_threads: int = 0, share: int = 1
-    ) -> None:
+        self, name: str, mode: ComputeMode = "thread", torch_threads: int = 0, share: int = 1,
+        adapt: bool = False,
+    ) -> None:  # fmt: skip
         self.name = name
         self.mode = mode
         # torch's intra-op thread count is per OS thread: a fixed count for each lane,
-        # or (0) the free cores over ``share`` (the lanes that may compute side by
-        # side), re-read before each call (corun/execution/cores.py).
+        # or (0) the machine's cores over ``share`` (the lanes that may compute side by
+        # side), or with ``adapt`` the free cores over it, re-read before each call
+        # (corun/execution/cores.py).
         self.torch_threads = torch_threads
-        self._budget = cores.ThreadBudget(share) if torch_threads == 0 else None
+        self._budget = cores.ThreadBudget(share, adapt) if torch_threads == 0 else None
         self._calls: queue.SimpleQueue[_Call[Any] | None] = queue.SimpleQueue()
         self._thread: threading.Thread | None = None
         self._running: _Call[Any] | None = None  # the call the lane's thread is in
         self.abandoned = 0  # calls given up on (see `abandoning`)
+
+    @property
+    def threads(self) -> int | None:
+        """The torch threads each call uses (None: following the free cores)."""
+        if self._budget is None:
+            return self.torch_threads
+        return None if self._budget.adapt else self._budget.fixed
 
     async def run(self, fn: Callable[..., T], *args: Any) -> T:
         if self.mode == "inline":

@@ -1,12 +1,14 @@
-"""The machine's free cores, and how many torch threads a lane's calls use.
+"""How many torch threads a lane's calls use, and the machine's free cores.
 
-torch's OpenMP threads spin at barriers, so a thread team larger than the cores free
-of other processes' work waits at every op for its descheduled member: measured on 2
-cores, an SFT step 3x slower beside one busy process (README, "Sharing the machine").
-A lane with ``loop.lane_threads = 0`` (the default) therefore uses the cores other
-processes leave free, re-read from ``/proc/stat`` at most four times a second, divided
-among the run's lanes that may compute side by side; on a quiet machine with one lane
-that is every core, as torch's own default.
+A lane with ``loop.lane_threads = 0`` (the default) uses the machine's cores divided
+among the run's lanes that may compute side by side, fixed for the run: the thread
+count changes float rounding, so a count that followed the machine's load would make
+the same seed give other weights on a busy machine. torch's OpenMP threads spin at
+barriers, and beside a busy process a spinning team waits at every op for its
+descheduled member (an SFT step 3x slower on 2 cores); corun makes them sleep instead
+(``OMP_WAIT_POLICY=PASSIVE``, set when corun is imported before torch: corun/__init__.py).
+``loop.adapt_threads`` trades reproducibility for the old behaviour: the cores other
+processes leave free, re-read from ``/proc/stat`` at most four times a second.
 """
 
 from __future__ import annotations
@@ -97,17 +99,23 @@ def free_cores() -> int:
 
 
 class ThreadBudget:
-    """Torch intra-op threads for one lane whose ``lane_threads`` is 0: the free cores
-    (capped by the process's own setting when the lane was made), divided by ``share``,
-    the number of the run's lanes that may compute side by side. A fixed share, not the
-    lanes busy at the moment: on a quiet machine the count then does not depend on
-    timing, and neither does float rounding (the fixed version schedule's promise)."""
+    """Torch intra-op threads for one lane whose ``lane_threads`` is 0: the machine's
+    cores (capped by the process's own setting when the lane was made) divided by
+    ``share``, the number of the run's lanes that may compute side by side — chosen
+    once, when the lane is made, so that float rounding, and with it the weights a seed
+    gives, never depends on what else runs on the machine. With ``adapt`` the count
+    follows the cores other processes leave free instead, re-read before each call:
+    faster beside busy processes without passive waiting, at the price of that
+    reproducibility."""
 
-    def __init__(self, share: int = 1) -> None:
+    def __init__(self, share: int = 1, adapt: bool = False) -> None:
         torch = sys.modules.get("torch")
         self.cap = torch.get_num_threads() if torch is not None else machine_cores()
         self.share = max(1, share)
-        _free.prime()
+        self.adapt = adapt
+        self.fixed = max(1, min(self.cap, machine_cores()) // self.share)
+        if adapt:
+            _free.prime()
         self.current = 0  # threads set on the lane's thread
         self._thread = 0
 
@@ -123,7 +131,9 @@ class ThreadBudget:
             # first use; done first here, so that it cannot undo the count set below.
             torch.get_num_threads()
             self._thread, self.current = thread, 0
-        threads = max(1, min(self.cap, free_cores()) // self.share)
+        threads = self.fixed
+        if self.adapt:
+            threads = max(1, min(self.cap, free_cores()) // self.share)
         if threads != self.current:
             torch.set_num_threads(threads)
             self.current = threads

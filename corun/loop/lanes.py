@@ -15,7 +15,7 @@ def lane(config: Config, name: str) -> Lane:
     """A lane of the run (the endpoint's too): its compute mode, its torch threads and
     its share of the cores."""
     loop = config.loop
-    return Lane(name, loop.compute, loop.lane_threads, side_by_side(config))
+    return Lane(name, loop.compute, loop.lane_threads, side_by_side(config), loop.adapt_threads)
 
 
 class Lanes:

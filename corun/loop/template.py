@@ -161,6 +161,7 @@ class _Run:
         self.events.emit(
             "start", self.clock.step, run_id=self.run_id, resumed=self.restored is not None,
             steps=config.run.steps, config_digest=config.digest(),
+            lane_threads=self.lanes.train.threads,  # None: following the free cores
         )  # fmt: skip
         # Before this run's progress display starts: a prerequisite shows its own.
         await self.extensions.train_prerequisites(trainer, self.events, self.clock.step)
