@@ -13,6 +13,11 @@ import pytest
 import torch
 
 os.environ["WANDB_MODE"] = "disabled"
+# The same for the corun processes tests start (they inherit it): a run's lanes keep the
+# machine's cores fixed for the run (corun/execution/cores.py), and CI's 2 cores are
+# shared by the test process, servers and their clients. A test of the default thread
+# count (test_cores.py) starts its runs without it.
+os.environ["OMP_NUM_THREADS"] = "1"
 # The helpers' own asserts report their operands too, as a test's do.
 pytest.register_assert_rewrite("tests.support")
 

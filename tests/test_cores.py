@@ -113,13 +113,14 @@ def _train_sft(run_dir: Path, busy: bool) -> dict[str, torch.Tensor]:
     asked); its final weights."""
     from tests.support.processes import REPO, corun_command, environment
 
+    default_threads = {k: v for k, v in environment().items() if k != "OMP_NUM_THREADS"}
     hog = subprocess.Popen([sys.executable, "-c", "while True: pass"]) if busy else None
     try:
         done = subprocess.run(
             [*corun_command(), "train", "sft", f"run.dir={run_dir}", "run.steps=30",
              "loop.eval_interval=0", "loop.save_interval=30", "loop.baseline_eval=false",
              "log.progress=off"],
-            cwd=REPO, env=environment(), capture_output=True, text=True, timeout=300,
+            cwd=REPO, env=default_threads, capture_output=True, text=True, timeout=300,
         )  # fmt: skip
     finally:
         if hog is not None:
