@@ -92,6 +92,7 @@ from corun.engines.vllm_common import (
     top_entries,
     unsupported_model,
 )
+from corun.execution import guest
 from corun.execution.compute import Lane, cancel_point, stop_requested
 
 SLICE_S = 0.05  # the longest a drive steps before its caller queues it again
@@ -417,7 +418,8 @@ class VLLMEngine(DrainingEngine):
         llm, self._llm = self._llm, None
         if llm is not None:
             self._fail_all(_Failed("the engine was shut down"))
-            llm.llm_engine.engine_core.shutdown()
+            with guest.collections_left_to_exit():  # two full ones, to free memory
+                llm.llm_engine.engine_core.shutdown()
 
 
 @dataclass(eq=False)  # hashed by identity: the engine keeps sets of them

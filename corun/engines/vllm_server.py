@@ -73,6 +73,7 @@ from corun.engines.vllm_common import (
     top_entries,
     unsupported_model,
 )
+from corun.execution import procs
 from corun.execution.procs import ChildProcess
 
 T = TypeVar("T")
@@ -254,7 +255,7 @@ class VLLMServerEngine(DrainingEngine):
             await anyio.to_thread.run_sync(self._child.stop, 5.0)
             # stop() waits for the server alone; vLLM's engine-core and worker processes
             # in its group die of the SIGKILL a moment later. Wait for them (bounded),
-            # so that no process of the engine is left once shutdown returns.
+            # so that no process of the engine runs once shutdown returns.
             await _group_gone(self.pid, 5.0)
         if not self._dead.startswith("the engine was shut down"):
             return
@@ -347,16 +348,11 @@ class VLLMServerEngine(DrainingEngine):
             return ""
 
 
-async def _group_gone(pgid: int, timeout_s: float) -> None:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        try:
-            os.killpg(pgid, 0)
-        except ProcessLookupError:
+async def _group_gone(pgid: int, timeout_s: float, poll_s: float = 0.02) -> None:
+    for _ in range(round(timeout_s / poll_s)):  # polled: a group's end sends no event
+        if not procs.group_running(pgid):
             return
-        except PermissionError:  # the group id was reused by someone else's processes
-            return
-        await anyio.sleep(0.02)
+        await anyio.sleep(poll_s)
 
 
 # api_server flags corun sets (as option keys): an option may not override them, nor

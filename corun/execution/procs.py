@@ -26,6 +26,7 @@ from collections.abc import Sequence
 
 _live: dict[int, ChildProcess] = {}
 _lock = threading.Lock()
+KILLED_WAIT_S = 5.0  # a SIGKILLed child ends at once; waited for, bounded all the same
 _PARENT_ENV = "CORUN_PARENT"  # the pid a watched child must not outlive
 _WORKDIR_ENV = "CORUN_PARENT_WORKDIR"  # the directory it removes when that pid is gone
 
@@ -66,7 +67,7 @@ class ChildProcess:
             while self.popen.poll() is None and time.monotonic() < deadline:
                 time.sleep(0.02)
             _signal_group(self.popen.pid, signal.SIGKILL)
-            return self.popen.wait(timeout=grace_s)
+            return self.popen.wait(timeout=KILLED_WAIT_S)
         finally:
             with _lock:
                 _live.pop(self.popen.pid, None)
@@ -90,7 +91,23 @@ def _signal_group(pid: int, sig: signal.Signals) -> None:
 
 def _session_members(sid: int) -> list[int]:
     """Processes of session ``sid`` (Linux /proc; none found elsewhere)."""
-    members = []
+    return [pid for pid, _, _, session in _processes() if session == sid and pid != sid]
+
+
+def group_running(pgid: int) -> bool:
+    """Whether a process of group ``pgid`` still runs. A zombie does not: it is dead,
+    and an orphan's reaping is init's (which may take a second in a container)."""
+    try:
+        os.killpg(pgid, 0)
+    except (ProcessLookupError, PermissionError):  # gone, or the id is someone else's
+        return False
+    return any(group == pgid and state != b"Z" for _, state, group, _ in _processes())
+
+
+def _processes() -> list[tuple[int, bytes, int, int]]:
+    """(pid, state, process group, session) of every process (Linux /proc; none found
+    elsewhere)."""
+    found = []
     for entry in os.scandir("/proc") if os.path.isdir("/proc") else ():
         if not entry.name.isdigit():
             continue
@@ -100,9 +117,8 @@ def _session_members(sid: int) -> list[int]:
                 fields = f.read().rsplit(b")", 1)[1].split()
         except OSError:
             continue
-        if int(fields[3]) == sid and int(entry.name) != sid:
-            members.append(int(entry.name))
-    return members
+        found.append((int(entry.name), fields[0], int(fields[2]), int(fields[3])))
+    return found
 
 
 def kill_all() -> None:

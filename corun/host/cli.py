@@ -342,4 +342,6 @@ def _hard_exit(config: Config, code: int, why: str) -> None:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from corun.host.entry import main as command
+
+    sys.exit(command())

@@ -13,7 +13,9 @@ Each step runs shielded from the cancellation that caused the teardown and under
 own deadline (a lane call it awaits that is stuck past it is abandoned). A step that
 fails or times out is logged and the next one still runs; the first error is the one
 that propagates. A step marked optional (the save) is skipped, or cut short, once the
-run is stopped a second time.
+run is stopped a second time — or the first time, when that stop arrives during the
+teardown of a run that had finished (there is nothing else left for it to stop). A
+finished run whose teardown a stop cut short ends "interrupted", not "done".
 """
 
 from __future__ import annotations
@@ -50,6 +52,7 @@ class RunControl:
         self.urgent = False
         self._root: anyio.CancelScope | None = None
         self._optional_step: anyio.CancelScope | None = None
+        self.tearing_down = False  # a stop now has nothing left to stop but teardown
 
     @property
     def stopped(self) -> bool:
@@ -60,7 +63,8 @@ class RunControl:
             self.reason, self.signal = reason, signal
             if self._root is not None:
                 self._root.cancel()
-            return
+            if not self.tearing_down:
+                return
         self.urgent = True
         if self._optional_step is not None:
             self._optional_step.cancel()
@@ -101,6 +105,7 @@ class Teardown:
         self.timeout_s = timeout_s
         self.steps: list[TeardownStep] = []
         self.step = 0  # the run's step when stopped, for event records
+        self.cut_short: list[str] = []  # steps a stop skipped or cut
 
     def push(self, name: str, fn: Callable[[], Any], optional: bool = False) -> None:
         self.steps.append(TeardownStep(name, fn, optional))
@@ -109,12 +114,14 @@ class Teardown:
         """Run every step in reverse, the run stopped at ``at_step``; return the first
         error (not raised here)."""
         self.step = at_step
+        self.control.tearing_down = True
         self.events.emit("teardown:stop", at_step, status="ok")
         first: BaseException | None = None
         while self.steps:
             step = self.steps.pop()
             if step.optional and self.control.urgent:
                 self.events.emit(f"teardown:{step.name}", self.step, status="skipped")
+                self.cut_short.append(step.name)
                 continue
             started = timebase.monotonic()
             status = "ok"
@@ -132,6 +139,8 @@ class Teardown:
                     self.control._optional_step = None
             if scope.cancelled_caught:
                 status = "skipped" if self.control.urgent and step.optional else "timeout"
+                if status == "skipped":
+                    self.cut_short.append(step.name)
             fields: dict[str, Any] = {"status": status}
             fields["duration_s"] = round(timebase.monotonic() - started, 6)
             if error is not None:

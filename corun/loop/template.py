@@ -23,6 +23,7 @@ come in as :class:`Extensions`, built outside the loop: ``corun.run``
 from __future__ import annotations
 
 import secrets
+from contextlib import AbstractContextManager, nullcontext
 from typing import Any
 
 import anyio
@@ -33,7 +34,7 @@ from corun.base.errors import first_error
 from corun.base.rng import seed_everything
 from corun.contract.trainer import Batch, Outcome, SetupContext, Trainer, overrides
 from corun.execution import distributed, guest
-from corun.execution.compute import blocking_io, call_hook
+from corun.execution.compute import abandoning, blocking_io, call_hook
 from corun.loop.cadence import Cadence
 from corun.loop.checkpointer import Checkpointer
 from corun.loop.clock import Clock, IdleTimes
@@ -140,6 +141,8 @@ class _Run:
             teardown_error = await self.teardown.run(self.clock.step)
             if failure is None and self.checkpointer.error is not None:  # the last save's
                 failure, outcome = self._settle(failure)
+            if outcome.reason == "done" and self.teardown.cut_short:  # a stop cut it
+                outcome = self.outcome = self.control.outcome(None, self.clock.step)
             self.lanes.close()
             self.trace.close()
             record_end(self.events, self.clock.step, outcome)
@@ -176,14 +179,15 @@ class _Run:
         # endpoint's capture: otherwise a trainer that waits on the inbox would wait forever.
         if self.session.embedded or self.session.serve_only or config.serve.enabled:
             ctx.inbox = self.session.inbox
-        with self.trace.span("setup", "trainer"), guest.setting_up():
+        with self.trace.span("setup", "trainer"), guest.setting_up(), _left_if_stopped():
             await call_hook(self.lanes.train, trainer.setup, ctx)
         self.events.emit("setup", self.clock.step)
         self.checkpointer.kept = ctx.kept
         self.updater = Updater.of(trainer, ctx.optimizers, config)
         self.dataset = distributed.sharded(trainer.dataset())  # the rank's slice of each batch
         if self.restored is not None:
-            await self.checkpointer.restore(*self.restored, ctx.optimizers)
+            with _left_if_stopped():
+                await self.checkpointer.restore(*self.restored, ctx.optimizers)
             if self.clock.step < config.run.steps:
                 self._note(f"resuming {config.run_dir} from step {self.clock.step} of "
                            f"{config.run.steps}")  # fmt: skip
@@ -276,3 +280,15 @@ class _Run:
         assert self.outcome is not None
         if overrides(self.trainer, "on_train_end"):
             await call_hook(self.lanes.train, self.trainer.on_train_end, self.outcome)
+
+
+# A stop during set-up (loading a model, building an engine: single blocking calls of
+# seconds, with no cancel points) does not wait for it in the `corun` command: the call
+# is left to its thread after this grace, and the process exits once torn down. Nothing
+# is saved before set-up ends, so nothing half-done is saved. In a host's process the
+# call is awaited: a thread left building an engine would outlive the run.
+SETUP_STOP_GRACE_S = 0.1
+
+
+def _left_if_stopped() -> AbstractContextManager[None]:
+    return abandoning(SETUP_STOP_GRACE_S) if guest.process_ends_with_runs() else nullcontext()

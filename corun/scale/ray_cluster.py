@@ -90,9 +90,10 @@ class LocalCluster:
             time.sleep(0.05)
         return marker.read_text().strip()
 
-    def stop(self, grace_s: float = 1.0) -> None:
+    def stop(self, grace_s: float = 0.0) -> None:
         """SIGTERM the group, SIGKILL it and the session after ``grace_s``; bounded.
-        Nothing of the cluster outlives the run, so no graceful drain is waited for."""
+        Nothing of the cluster outlives the run, so no graceful drain is waited for
+        (the head's takes over a second: a Ctrl-C's whole budget)."""
         try:
             self.child.stop(grace_s)  # removes the temp dir
         finally:

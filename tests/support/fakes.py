@@ -28,6 +28,8 @@ class FakeConfig(corun.TrainerConfig, frozen=True, forbid_unknown_fields=True, k
     fail_at_step: int = 1  # ... at this step (1-based train step; rollout index + 1)
     slow_in: Phase = ""  # sleep in this phase, in small cooperative slices
     slow_s: float = 0.0
+    block_in: Phase = ""  # sleep in this phase in one blocking call (no cancel points),
+    block_s: float = 0.0  # as a model load or an engine's build does
     micro_batches: int = 4  # loss calls per mini-batch, with cancel points between them
     spawn_engine: bool = False  # start a child process as the "rollout engine"
     teardown_fails: bool = False  # the weight-sync teardown step raises
@@ -99,6 +101,8 @@ class FakeTrainer(corun.Trainer[FakeConfig]):
             while time.monotonic() < until:
                 time.sleep(0.01)
                 cancel_point()
+        if self.config.block_in == phase:
+            time.sleep(self.config.block_s)
         if self.config.fail_in == phase and step in (-1, self.config.fail_at_step):
             raise FakeError(f"injected failure in {phase}")
 
