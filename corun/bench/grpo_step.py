@@ -50,7 +50,7 @@ def start(scratch: Path, steps: int) -> ChildProcess:
     })  # fmt: skip
     (scratch / "grpo.toml").write_text(to_toml(config))
     with open(scratch / "grpo.log", "wb") as log:
-        argv = [sys.executable, "-m", "corun.host.cli", "train", str(scratch / "grpo.toml")]
+        argv = [sys.executable, "-m", "corun", "train", str(scratch / "grpo.toml")]
         return ChildProcess(argv, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT)
 
 

@@ -47,7 +47,7 @@ def train(
     """``corun train`` in a fresh process; its median time per step, training time (from
     the end of the baseline eval), and the eval ``metric`` over (step, seconds)."""
     command = [
-        sys.executable, "-m", "corun.host.cli", "train", recipe, f"run.dir={run_dir}",
+        sys.executable, "-m", "corun", "train", recipe, f"run.dir={run_dir}",
         f"run.steps={steps}", f"loop.eval_interval={eval_interval}", "log.progress=off",
         *overrides,
     ]  # fmt: skip
