@@ -19,7 +19,7 @@ SUITES = ("async", "endpoint", "ctrl_c")
 
 def corun(*args: str, timeout: float = 120) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
-        [sys.executable, "-m", "corun.host.cli", *args], cwd=ROOT, capture_output=True, text=True,
+        [sys.executable, "-m", "corun", *args], cwd=ROOT, capture_output=True, text=True,
         timeout=timeout,
     )  # fmt: skip
 

@@ -59,6 +59,17 @@ class RunConfig(Section, frozen=True, forbid_unknown_fields=True, kw_only=True):
     # fails the run with one line; a call stuck in a lane thread is abandoned
     # (corun/loop/deadlines.py).
     sync_timeout_s: PositiveFloat = 600.0
+    # Deadlines on the trainer's own code the loop waits on; an overrun fails the run
+    # with one line naming it (corun/loop/deadlines.py). Far above a healthy call, well
+    # below "until someone notices": each baseline or periodic evaluation (held-out
+    # generation of a large model takes minutes);
+    eval_timeout_s: PositiveFloat = 1800.0
+    # each batch fetched from the trainer's dataset (a file is milliseconds; a remote or
+    # streaming source may stall on the network);
+    data_timeout_s: PositiveFloat = 300.0
+    # each reward function call on one sample (a verifier, a sandboxed test run or an
+    # HTTP judge), the sample's prompt named in the line.
+    reward_timeout_s: PositiveFloat = 60.0
 
 
 class LoopConfig(Section, frozen=True, forbid_unknown_fields=True, kw_only=True):
@@ -196,6 +207,10 @@ class CheckpointConfig(Section, frozen=True, forbid_unknown_fields=True, kw_only
     # rollout is thrown away and generated again (corun/loop/kept_rollouts.py). Costs
     # checkpoint size and write time per kept batch; refused under torchrun.
     keep_rollouts: bool = False
+    # A checkpoint write (in the background) that takes longer fails the run with one
+    # line and leaves the previous checkpoint the latest: a wedged disk or network file
+    # system. Minutes for gigabytes to slow storage; the same default as a weight sync.
+    write_timeout_s: PositiveFloat = 600.0
 
 
 class LogConfig(Section, frozen=True, forbid_unknown_fields=True, kw_only=True):

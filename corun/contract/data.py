@@ -21,6 +21,12 @@ T = TypeVar("T")
 
 
 class Dataset(Protocol):
+    """A data source. The loop fetches each batch on a compute lane within
+    ``run.data_timeout_s`` (a source may block on I/O: a hang fails the run with one
+    line). A class attribute ``in_memory = True`` says ``batch`` only computes from
+    memory and cannot block: the loop then fetches it in the rollout's own lane call,
+    saving a thread hop per batch, with no deadline."""
+
     def batch(self, index: int) -> Any:
         """The batch at ``index``; the same index always gives the same batch."""
         ...
@@ -28,6 +34,8 @@ class Dataset(Protocol):
 
 class IndexData:
     """The default dataset: batch ``i`` is the integer ``i`` (trainers that make their own)."""
+
+    in_memory = True
 
     def batch(self, index: int) -> int:
         return index
@@ -38,6 +46,8 @@ class ShuffledBatches(Generic[T]):
 
     Seeking index ``i`` computes its epoch's permutation directly: no replay.
     """
+
+    in_memory = True
 
     def __init__(self, records: Sequence[T], batch_size: int, seed: int, shuffle: bool) -> None:
         if not records:

@@ -225,6 +225,7 @@ class ShardedData:
     def __init__(self, inner: Any, w: World) -> None:
         self.inner = inner
         self.world = w
+        self.in_memory = getattr(inner, "in_memory", False)  # corun/contract/data.py
 
     def batch(self, index: int) -> Any:
         items = self.inner.batch(index)

@@ -339,9 +339,3 @@ def _hard_exit(config: Config, code: int, why: str) -> None:
         log.emit("end", -1, reason="killed", why=why)
         log.close()
     os._exit(code)
-
-
-if __name__ == "__main__":
-    from corun.host.entry import main as command
-
-    sys.exit(command())

@@ -8,10 +8,18 @@ through its ``RunControl``, and the session raises it after teardown. After an
 interrupt, teardown saves once more (``loop.save_on_interrupt``); stopped in the middle
 of a window, that save records the window's start, whose weights are still the live
 ones (the window's gradients are not state).
+
+Each write is bounded by ``checkpoint.write_timeout_s``: one that overruns — a wedged
+disk or network file system — is abandoned in its thread, its temporary files are
+removed, and the run fails with one line saying which checkpoint is intact, as after a
+full disk. The rename makes each write atomic, so the previous checkpoint stays the
+latest (a write that still finishes later, in its abandoned thread, finds its
+temporary directory gone and fails there).
 """
 
 from __future__ import annotations
 
+import errno
 from collections.abc import Callable, Iterable
 from functools import partial
 from pathlib import Path
@@ -19,6 +27,7 @@ from typing import Any
 
 import anyio
 import anyio.abc
+import anyio.to_thread
 
 from corun.base.config import Config
 from corun.base.errors import CheckpointError
@@ -166,13 +175,9 @@ class Checkpointer:
     async def _write(self, tensors: Any, state: checkpoint.TrainerState) -> None:
         try:
             with self.trace.span("write", "checkpoint", step=state.step):
-                # File I/O off the loop (or inline, in inline mode).
-                mode, keep = self.config.loop.compute, self.config.checkpoint.keep
-                path = await blocking_io(
-                    mode, partial(checkpoint.write, writes=self.writes),
-                    self.run_dir, state.step, tensors, state,
-                )  # fmt: skip
+                path = await self._bounded_write(tensors, state)
                 if path is not None:
+                    mode, keep = self.config.loop.compute, self.config.checkpoint.keep
                     await blocking_io(mode, checkpoint.prune, self.run_dir, keep)
             if path is not None:
                 self.events.emit("checkpoint_written", state.step, path=str(path))
@@ -189,6 +194,22 @@ class Checkpointer:
             self._pending -= 1
             if self._pending == 0:
                 self._done.set()
+
+    async def _bounded_write(self, tensors: Any, state: checkpoint.TrainerState) -> Path | None:
+        """The write, off the loop (inline in inline mode), within its deadline; an
+        overrun is a :class:`TimeoutError`, reported as an ``OSError`` like a full disk.
+        A worker thread, as before, not a lane: a lane sets torch's thread count, and a
+        writer has no business changing it. Abandoned at the deadline, the thread is not
+        a daemon, so ``corun`` ends the process with ``os._exit`` rather than wait."""
+        write = partial(checkpoint.write, self.run_dir, state.step, tensors, state,
+                        writes=self.writes)  # fmt: skip
+        if self.config.loop.compute == "inline":
+            return write()
+        timeout_s = self.config.checkpoint.write_timeout_s
+        with anyio.move_on_after(timeout_s):
+            return await anyio.to_thread.run_sync(write, abandon_on_cancel=True)
+        why = f"did not finish within {timeout_s:g} s: checkpoint.write_timeout_s"
+        raise TimeoutError(errno.ETIMEDOUT, why)
 
     async def drain(self) -> None:
         """Wait for every pending write (a teardown step)."""

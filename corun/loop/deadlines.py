@@ -1,6 +1,8 @@
-"""Deadlines: a weight sync, an engine's start-up, its calls and its shutdown each end
-within a set time, so a hung engine or a stuck collective fails the run with one line
-instead of holding it forever.
+"""Deadlines: everything a run waits on ends within a set time — a weight sync, an
+engine's start-up, its calls and its shutdown, and the user's code the loop calls: an
+evaluation, a data source's batch, a checkpoint write, each reward function call and
+environment step — so a hang fails the run with one line instead of holding it until
+a signal and ``run.hard_deadline_s``.
 
 A deadline cancels what it bounds. A lane call stuck in a blocking call (one that
 never reaches a cancel point: a hung C call) is abandoned after a grace of
@@ -11,14 +13,30 @@ overran and the setting that bounds it::
     corun: error: weight sync to version 3 did not finish within 5 s (run.sync_timeout_s)
 
 Teardown then runs in order as after any error, and ``corun`` ends the process even
-though an abandoned thread is still stuck. In inline compute mode (no threads) a
-blocking call cannot be cut short: deadlines bound awaits only.
+though an abandoned thread is still stuck. In inline compute mode (no threads), and in
+an ``async def`` hook that blocks the event loop instead of awaiting, a blocking call
+cannot be cut short: deadlines bound awaits only.
 
-The settings: ``run.sync_timeout_s`` (the loop's weight sync, corun/loop/sync.py:
-``sync_weights`` and the remote workers' publish); an engine's own under
-``[trainer.engine_options]`` for the hf kinds
-(``start_timeout_s``, ``request_timeout_s``, ``shutdown_timeout_s``: corun/engines/start.py,
-through :class:`BoundedEngine`).
+The settings:
+
+- ``run.sync_timeout_s``: the loop's weight sync (corun/loop/sync.py: ``sync_weights``
+  and the remote workers' publish);
+- an engine's own under ``[trainer.engine_options]`` for the hf kinds
+  (``start_timeout_s``, ``request_timeout_s``, ``shutdown_timeout_s``:
+  corun/engines/start.py, through :class:`BoundedEngine`);
+- ``run.eval_timeout_s``: each evaluation (corun/loop/evaluation.py);
+- ``run.data_timeout_s``: each batch fetched from the trainer's dataset
+  (corun/loop/producer.py);
+- ``checkpoint.write_timeout_s``: each checkpoint write (corun/loop/checkpointer.py;
+  the previous checkpoint stays the latest);
+- ``run.reward_timeout_s``: each reward function call on one sample, the prompt named
+  in the line (trainers/hf/rewards.py, through corun/contract/user_calls.py's
+  :class:`CallDeadlines`);
+- ``trainer.env.step_timeout_s`` (agentic kinds): each environment reset and step;
+  an overrun ends its episode, not the run (corun/agents/runner.py).
+
+:class:`DeadlineError` and :func:`deadline` live in corun/contract/user_calls.py, below
+this layer, because trainers bound their reward calls with them too.
 """
 
 from __future__ import annotations
@@ -30,24 +48,8 @@ import anyio
 from torch import Tensor
 
 from corun.contract.engine import Adapter, AdapterEngine, Engine, EngineError, Generation, Sampling
-from corun.execution.compute import ABANDON_GRACE_S, abandoning
-
-
-class DeadlineError(RuntimeError):
-    """Something bounded by a deadline did not finish in time; one line (exit 1)."""
-
-
-@contextmanager
-def deadline(what: str, timeout_s: float, setting: str) -> Iterator[None]:
-    """Cancel the block at ``timeout_s`` (abandoning a stuck lane call after its grace)
-    and raise :class:`DeadlineError` for it: "<what> did not finish within ..."."""
-    with (
-        abandoning(min(timeout_s, ABANDON_GRACE_S)),
-        anyio.CancelScope(deadline=anyio.current_time() + timeout_s) as scope,
-    ):
-        yield
-    if scope.cancelled_caught and anyio.current_time() >= scope.deadline:
-        raise DeadlineError(f"{what} did not finish within {timeout_s:g} s ({setting})")
+from corun.contract.user_calls import DeadlineError as DeadlineError
+from corun.contract.user_calls import deadline as deadline
 
 
 class BoundedEngine:

@@ -33,7 +33,8 @@ Actions:
 - ``hang``: block in a thread, ignoring cancellation and cancel points, as a hung C
   call would — on the engine's lane for engine phases, on the calling lane for plain
   hooks, in an abandoned worker thread for an environment. Only where a deadline
-  bounds the phase (engine phases, ``sync``, ``env``); refused elsewhere. A test
+  bounds the phase (every phase since the user-code deadlines: engine phases,
+  ``sync``, ``env``, ``eval``, ``data``, ``checkpoint``, ``reward``). A test
   releases its hung threads with :func:`release_all` (tests/test_faults.py does so
   after every test).
 - ``slow``: ``slow_s`` seconds longer (a sleep), nothing else.
@@ -78,7 +79,7 @@ Action = Literal["raise", "hang", "slow"]
 ENV = "CORUN_FAULTS"
 ENGINE_PHASES = {"engine_start", "generate", "sync", "engine_shutdown"}
 # Phases a deadline bounds (corun/loop/deadlines.py, env.step_timeout_s): a hang there ends.
-BOUNDED = {*ENGINE_PHASES, "env"}
+BOUNDED = {*ENGINE_PHASES, "env", "eval", "data", "checkpoint", "reward"}
 
 
 class Fault(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):
@@ -245,7 +246,9 @@ class CheckpointFault:
         fault = self.injector.due("checkpoint")
         if fault is not None and fault.action == "raise":
             raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
-        if fault is not None:
+        if fault is not None and fault.action == "hang":
+            self.injector.block()
+        elif fault is not None:
             time.sleep(fault.slow_s)
         return torch.zeros(0).__reduce_ex__(protocol)
 

@@ -79,6 +79,8 @@ def _problem(rng: random.Random, held_out: bool) -> Problem:
 class Problems:
     """Training batches: batch ``i`` is a pure function of (seed, i, batch_size)."""
 
+    in_memory = True  # batches computed from memory: fetched without a deadline
+
     def __init__(self, batch_size: int, seed: int) -> None:
         self.batch_size = batch_size
         self.seed = seed

@@ -189,6 +189,8 @@ class ShapeData:
     """Training batches over the training prompts: batch ``i`` is a pure function of
     (seed, i, batch_size, jitter)."""
 
+    in_memory = True  # batches computed from memory: fetched without a deadline
+
     def __init__(self, batch_size: int, seed: int, jitter: float = 1.0) -> None:
         self.batch_size = batch_size
         self.seed = seed

@@ -8,6 +8,13 @@ data's reference, "" when it has none) — accept ``**kwargs`` for the ones you 
 use — and returns a number; it may be ``async def``. One that raises, or returns
 something that is not a finite number, fails that sample (it is not trained on, and
 the reason is logged once per function), never the run.
+
+Each call has a deadline, ``run.reward_timeout_s``: a function that hangs (a judge that
+never answers, a sandbox that never exits) fails the run with one line naming the
+function and the sample's prompt. A plain function's calls run on a compute lane,
+watched one by one (corun/contract/user_calls.py's ``CallDeadlines``); a hung one is
+abandoned in its thread, which Python cannot stop. An ``async def`` one is cancelled at
+its deadline, unless it blocks the event loop instead of awaiting: nothing cuts that.
 """
 
 from __future__ import annotations
@@ -22,11 +29,13 @@ from dataclasses import dataclass
 from typing import Any
 
 from corun import ConfigError
+from corun.contract.user_calls import CallDeadlines, deadline, quoted
 
 log = logging.getLogger(__name__)
 RewardFn = Callable[..., "float | Awaitable[float]"]
-Run = Callable[[Callable[[], list["float | None"]]], Awaitable[list["float | None"]]]
+Run = Callable[[Callable[[], Any]], Awaitable[Any]]  # a lane's run: ``await run(fn)``
 NUMBER = re.compile(r"-?\d+(?:\.\d+)?")
+SETTING = "run.reward_timeout_s"
 
 
 def exact_match(*, response: str, answer: str, **_: Any) -> float:
@@ -87,38 +96,36 @@ class Scores:
 class Rewards:
     """The configured functions with their weights."""
 
-    def __init__(self, weights: Mapping[str, float], where: str) -> None:
+    def __init__(self, weights: Mapping[str, float], where: str, timeout_s: float) -> None:
         if not weights:
             raise ConfigError(f"{where}: no reward functions")
         self.functions = [
             (name, resolve(name, f"{where}.{name}"), w) for name, w in weights.items()
         ]
+        self.timeout_s = timeout_s  # each call's deadline (run.reward_timeout_s)
         self._reported: set[str] = set()
 
     async def score(
         self, prompts: list[str], responses: list[str], answers: list[str], run: Run | None = None
     ) -> Scores:
-        """Score every sample with every function; plain functions run through ``run``
-        (a compute lane: user code may be slow), ``async def`` ones on the event loop."""
+        """Score every sample with every function; the plain functions together through
+        ``run`` (a compute lane: user code may be slow), ``async def`` ones on the event
+        loop; every call within its deadline."""
         samples = [
             {"prompt": p, "response": r, "answer": a}
             for p, r, a in zip(prompts, responses, answers, strict=True)
         ]
+        values = await self._plain_values(samples, run)
+        for name, fn, _ in self.functions:
+            if inspect.iscoroutinefunction(fn):
+                values[name] = await self._async_values(name, fn, samples)
         rewards = [0.0] * len(samples)
         ok = [True] * len(samples)
         by_function: dict[str, float] = {}
-        for name, fn, weight in self.functions:
-            if inspect.iscoroutinefunction(fn):
-                values = [self._check(name, await _settle(fn, s)) for s in samples]
-            else:
-
-                def call_all(name: str = name, fn: RewardFn = fn) -> list[float | None]:
-                    return [self._check(name, _call(fn, s)) for s in samples]
-
-                values = call_all() if run is None else await run(call_all)
-            scored = [v for v in values if v is not None]
+        for name, _, weight in self.functions:
+            scored = [v for v in values[name] if v is not None]
             by_function[name] = sum(scored) / len(scored) if scored else 0.0
-            for i, value in enumerate(values):
+            for i, value in enumerate(values[name]):
                 if value is None:
                     ok[i] = False
                 else:
@@ -126,6 +133,31 @@ class Rewards:
         return Scores(
             [r if good else 0.0 for r, good in zip(rewards, ok, strict=True)], ok, by_function
         )
+
+    async def _plain_values(
+        self, samples: list[dict[str, str]], run: Run | None
+    ) -> dict[str, list[float | None]]:
+        """Each plain function on every sample, all in one lane call, each call watched."""
+        plain = [(n, fn) for n, fn, _ in self.functions if not inspect.iscoroutinefunction(fn)]
+        calls = CallDeadlines(self.timeout_s, SETTING, _what)
+
+        def call_all() -> dict[str, list[float | None]]:
+            return {
+                name: [self._check(name, calls.call((name, s), _call, fn, s)) for s in samples]
+                for name, fn in plain
+            }
+
+        return await calls.run(run, call_all) if plain else {}
+
+    async def _async_values(
+        self, name: str, fn: RewardFn, samples: list[dict[str, str]]
+    ) -> list[float | None]:
+        values = []
+        for sample in samples:
+            with deadline(_what((name, sample)), self.timeout_s, SETTING):
+                outcome = await _settle(fn, sample)
+            values.append(self._check(name, outcome))
+        return values
 
     def _check(self, name: str, outcome: object) -> float | None:
         """A function's return value as a reward; None (reported once) when it failed."""
@@ -143,6 +175,12 @@ class Rewards:
                 log.warning("reward %s failed on a sample (%s: %s); the sample is not trained "
                             "on (reported once)", name, type(exc).__name__, exc)  # fmt: skip
             return None
+
+
+def _what(call: tuple[str, dict[str, str]]) -> str:
+    """A call in the deadline's line: the function and the sample's prompt."""
+    name, sample = call
+    return f"reward function {name} for prompt {quoted(sample['prompt'])}"
 
 
 def _call(fn: RewardFn, sample: dict[str, str]) -> object:

@@ -222,7 +222,9 @@ class HFPrompts(HFRollouts):
     def build_task(self) -> None:
         """The rewards and the held-out prompts."""
         data = self.run_config.data
-        self.rewards = Rewards(self.config.rewards, "`$.trainer.rewards`")
+        self.rewards = Rewards(
+            self.config.rewards, "`$.trainer.rewards`", self.run_config.run.reward_timeout_s
+        )
         if data.path:
             _, self.eval_examples = read_prompts(data.path)
             self.eval_examples = self.eval_examples[: self.config.eval_size]

@@ -61,7 +61,9 @@ class HFSFTTrainer(SFTTrainer):
         self.model, tokenizer = load_model(cfg.model, "", "`$.trainer.model`")
         prepare_policy(self.model, cfg, self.run_config)
         self.chat = ChatFormat(tokenizer, cfg.system_prompt)
-        self.rewards = Rewards(cfg.rewards, "`$.trainer.rewards`")
+        self.rewards = Rewards(
+            cfg.rewards, "`$.trainer.rewards`", self.run_config.run.reward_timeout_s
+        )
         self.setup_optimizer(ctx)
         data = self.run_config.data
         held_out = read_prompts(data.path)[1] if data.path else eval_problems(cfg.eval_size)

@@ -96,6 +96,8 @@ def _draw(rng: random.Random, want_held_out: bool) -> Example:
 class WordProblems:
     """Training batches: batch ``i`` is a pure function of (seed, i, batch_size)."""
 
+    in_memory = True  # batches computed from memory: fetched without a deadline
+
     def __init__(self, batch_size: int, seed: int) -> None:
         self.batch_size, self.seed = batch_size, seed
 

@@ -116,6 +116,8 @@ TASKS: dict[str, Task] = {
 class TaskData:
     """Training batches of a task: batch ``i`` is a pure function of (seed, i, batch_size)."""
 
+    in_memory = True  # batches computed from memory: fetched without a deadline
+
     def __init__(self, task: Task, batch_size: int, seed: int) -> None:
         self.task = task
         self.batch_size = batch_size

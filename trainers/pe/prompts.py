@@ -128,6 +128,8 @@ class UserData:
     """Training batches over the training combinations: batch ``i`` is a pure function
     of (seed, i, batch_size, plain)."""
 
+    in_memory = True  # batches computed from memory: fetched without a deadline
+
     def __init__(self, batch_size: int, seed: int, plain: bool = False) -> None:
         self.batch_size = batch_size
         self.seed = seed

@@ -55,6 +55,8 @@ def _rows(items: Any, rows: slice) -> Any:
 class TrackData:
     """Batch ``i`` of each track's own data set, both pure functions of (seed, i)."""
 
+    in_memory = True  # batches computed from memory: fetched without a deadline
+
     def __init__(self, text: TaskData, image: ShapeData) -> None:
         self.text, self.image = text, image
 
