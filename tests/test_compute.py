@@ -3,6 +3,9 @@ cooperative cancellation that never loses a completed call."""
 
 from __future__ import annotations
 
+import importlib.util
+import subprocess
+import sys
 import threading
 import time
 from pathlib import Path
@@ -93,6 +96,57 @@ async def test_call_cancelled_while_queued_never_starts() -> None:
         assert started == [2]
     finally:
         lane.close()
+
+
+async def test_hand_offs_survive_cancellations_at_any_moment() -> None:
+    """Calls cancelled before, during and just after they run: each caller gets its
+    result or its cancellation (a call that ran to the end is never lost), nothing
+    waits forever, and the lane still serves afterwards."""
+    lane = Lane("t")
+    ran: list[int] = []
+    returned: list[int] = []
+
+    def work(i: int) -> int:
+        ran.append(i)
+        time.sleep(0.0002 * (i % 3))
+        return i
+
+    async def caller(i: int) -> None:
+        with anyio.CancelScope() as scope:
+            if i % 4 == 0:
+                scope.cancel()  # before the call is awaited
+            elif i % 4 == 1:
+                scope.deadline = anyio.current_time() + 0.0001 * (i % 5)  # while queued/running
+            returned.append(await lane.run(work, i))
+
+    try:
+        with anyio.fail_after(20):
+            async with anyio.create_task_group() as tasks:
+                for i in range(300):
+                    tasks.start_soon(caller, i)
+            assert await lane.run(lambda: "still serving") == "still serving"
+    finally:
+        lane.close()
+    assert set(returned) <= set(ran)
+    assert {i for i in ran if i % 4 in (2, 3)} <= set(returned)  # never cancelled: returned
+
+
+@pytest.mark.skipif(sys.platform != "linux", reason="reads /proc/self/maps")
+def test_preload_maps_triton_without_importing_it() -> None:
+    """The library set-up's first optimizer loads (holding the GIL) is mapped early by
+    preload, GIL released, and triton itself is not imported (corun/execution/preload.py)."""
+    if importlib.util.find_spec("triton") is None:
+        pytest.skip("triton is not installed")
+    probe = (
+        "import sys, torch\n"
+        "from corun.execution import preload\n"
+        "preload.preload()\n"
+        "maps = open('/proc/self/maps').read()\n"
+        "print('triton' in sys.modules, 'libtriton' in maps)\n"
+    )
+    result = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True,
+                            timeout=120, check=True)  # fmt: skip
+    assert result.stdout.split() == ["False", "True"]
 
 
 class ThreadCountTrainer(corun.Trainer[corun.TrainerConfig]):

@@ -249,9 +249,19 @@ def _cause(lag: float, queued: float, ran: float, gcs: list[Any]) -> str:
     return max(parts)[1]
 
 
+# Where a parked thread's innermost frame is: a queue, an event, a sleep; trio's thread
+# cache or a lane waiting (in C) for the next call.
+_PARKED = ("threading.py", "queue.py", " wait", "selectors")
+_PARKED_IN = (("_thread_cache.py", "_work"), ("corun/execution/compute.py", "_serve"))
+
+
 def _idle(stack: list[str]) -> bool:
     """A thread parked in a queue, an event or a sleep holds nothing."""
-    return any(k in stack[0] for k in ("threading.py", "queue.py", " wait", "selectors"))
+    where, _, function = stack[0].rpartition(" ")
+    path = where.rpartition(":")[0]
+    return any(k in stack[0] for k in _PARKED) or any(
+        path.endswith(file) and function == name for file, name in _PARKED_IN
+    )
 
 
 def _where(stack: list[str]) -> str:

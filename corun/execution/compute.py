@@ -23,20 +23,20 @@ other calls move to a fresh thread, and the awaiting task's cancellation goes on
 
 from __future__ import annotations
 
+import asyncio
 import contextvars
 import inspect
 import queue
 import threading
 from collections.abc import Awaitable, Callable, Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass, field
-from typing import Any, Generic, Literal, TypeVar, cast
+from typing import Any, Literal, TypeVar, cast
 
 import anyio
 import anyio.to_thread
 import sniffio
 
-from corun.execution import cores
+from corun.execution import cores, preload
 
 T = TypeVar("T")
 ComputeMode = Literal["thread", "inline"]
@@ -84,14 +84,14 @@ def cancel_point() -> None:
     effects (before the optimizer step).
     """
     call = getattr(_lane_local, "call", None)
-    if call is not None and call.cancel_requested.is_set():
+    if call is not None and call.cancel_requested:
         raise LaneCancelled
 
 
 def stop_requested() -> bool:
     """Whether the current lane call's awaiting task was cancelled (never raises)."""
     call = getattr(_lane_local, "call", None)
-    return call is not None and call.cancel_requested.is_set()
+    return call is not None and call.cancel_requested
 
 
 def in_lane_call() -> bool:
@@ -99,19 +99,39 @@ def in_lane_call() -> bool:
     return getattr(_lane_local, "call", None) is not None
 
 
-@dataclass
-class _Call(Generic[T]):
-    fn: Callable[..., T]
-    args: tuple[Any, ...]
-    wake: Callable[[], None]
-    cancel_requested: threading.Event = field(default_factory=threading.Event)
-    result: Any = None
-    error: BaseException | None = None
+class _Call:
+    """One blocking call: run on the lane's thread, awaited on the event loop.
+
+    The hand-off back is one callback scheduled on the loop (``resume``, thread-safe),
+    which wakes the awaiting task directly: a future's result on asyncio, a reschedule
+    on trio. No events and no locks per call: a lane's hop costs about what the
+    OS's wake-ups cost (``python -m corun.bench.overhead``)."""
+
+    __slots__ = ("args", "cancel_requested", "done", "error", "fn", "result", "resume", "trio",
+                 "waiter")  # fmt: skip
+
+    def __init__(self, fn: Callable[..., Any], args: tuple[Any, ...]) -> None:
+        self.fn, self.args = fn, args
+        self.trio: Any = None  # the trio module on a trio loop
+        if sniffio.current_async_library() == "trio":
+            import trio  # imported already: its loop runs
+
+            self.trio = trio
+            self.resume: Callable[[Callable[[], None]], object] = (
+                trio.lowlevel.current_trio_token().run_sync_soon
+            )
+        else:
+            self.resume = asyncio.get_running_loop().call_soon_threadsafe
+        self.cancel_requested = False  # set on the loop thread, read by the lane's thread
+        self.done = False  # set on the loop thread once the call has returned
+        self.result: Any = None
+        self.error: BaseException | None = None
+        self.waiter: Any = None  # the asyncio future or trio task waiting for it now
 
     def run(self, budget: cores.ThreadBudget | None) -> None:
         _lane_local.call = self
         try:
-            if self.cancel_requested.is_set():  # cancelled while queued: never start it
+            if self.cancel_requested:  # cancelled while queued: never start it
                 raise LaneCancelled()
             if budget is not None:
                 budget.start_call()
@@ -121,26 +141,40 @@ class _Call(Generic[T]):
         finally:
             _lane_local.call = None
             try:
-                self.wake()
+                self.resume(self._returned)
             except RuntimeError:  # the event loop is gone (a hard exit): nobody waits
                 pass
 
+    def _returned(self) -> None:
+        """On the loop: the call has returned; wake its awaiting task, if it still waits."""
+        self.done = True
+        waiter, self.waiter = self.waiter, None
+        if waiter is None:
+            return
+        if self.trio is not None:
+            self.trio.lowlevel.reschedule(waiter)
+        elif not waiter.done():
+            waiter.set_result(None)
 
-def _waker(done: anyio.Event) -> Callable[[], None]:
-    """A thread-safe, non-blocking ``done.set()`` for the running event loop."""
-    if sniffio.current_async_library() == "trio":
-        import trio
+    async def returned(self) -> None:
+        """Wait (a cancellation point) until the call has returned."""
+        if self.done:
+            return
+        if self.trio is not None:
+            lowlevel = self.trio.lowlevel
+            self.waiter = lowlevel.current_task()
 
-        token = trio.lowlevel.current_trio_token()
-        return lambda: token.run_sync_soon(done.set)
-    import asyncio
+            def abort(_: Any) -> Any:
+                self.waiter = None
+                return lowlevel.Abort.SUCCEEDED
 
-    loop = asyncio.get_running_loop()
-
-    def wake() -> None:
-        loop.call_soon_threadsafe(done.set)
-
-    return wake
+            await lowlevel.wait_task_rescheduled(abort)
+            return
+        self.waiter = future = asyncio.get_running_loop().create_future()
+        try:
+            await future
+        finally:
+            self.waiter = None
 
 
 class Lane:
@@ -158,9 +192,9 @@ class Lane:
         # (corun/execution/cores.py).
         self.torch_threads = torch_threads
         self._budget = cores.ThreadBudget(share, adapt) if torch_threads == 0 else None
-        self._calls: queue.SimpleQueue[_Call[Any] | None] = queue.SimpleQueue()
+        self._calls: queue.SimpleQueue[_Call | None] = queue.SimpleQueue()
         self._thread: threading.Thread | None = None
-        self._running: _Call[Any] | None = None  # the call the lane's thread is in
+        self._running: _Call | None = None  # the call the lane's thread is in
         self.abandoned = 0  # calls given up on (see `abandoning`)
 
     @property
@@ -176,20 +210,19 @@ class Lane:
             if self._budget is not None:
                 self._budget.start_call()
             return fn(*args)
-        done = anyio.Event()
-        call: _Call[T] = _Call(fn, args, _waker(done))
+        call = _Call(fn, args)
         self._start()
         self._calls.put(call)
         try:
-            await done.wait()
+            await call.returned()
         except anyio.get_cancelled_exc_class():
-            call.cancel_requested.set()
+            call.cancel_requested = True
             grace = _grace.get()
             with anyio.CancelScope(shield=True) as waiting:
                 if grace is not None:
                     waiting.deadline = anyio.current_time() + grace
-                await done.wait()
-            if not done.is_set():  # past its grace: a running call is left to its thread,
+                await call.returned()
+            if not call.done:  # past its grace: a running call is left to its thread,
                 if self._running is call:  # a queued one never starts (cancel requested)
                     self._abandon()
                 raise
@@ -209,7 +242,8 @@ class Lane:
             )  # fmt: skip
             self._thread.start()
 
-    def _serve(self, calls: queue.SimpleQueue[_Call[Any] | None]) -> None:
+    def _serve(self, calls: queue.SimpleQueue[_Call | None]) -> None:
+        preload.preload()  # before set-up imports them, holding the GIL (preload.py)
         if self.torch_threads:
             import torch
 

@@ -48,8 +48,10 @@ class Clock:
     done: int = 0  # steps whose whole body (sync, eval, save) has finished
     slots: int = 0  # rollouts admitted, less those dropped: the next one's place in order
     dropped: int = 0  # batches over the staleness bound, never trained
-    _changed: anyio.Event = field(default_factory=anyio.Event)
-    _admitting: anyio.Lock = field(default_factory=anyio.Lock)
+    _changed: anyio.Event | None = None  # made by the first waiter of a change
+    # Queues waiting workers; taken without a yield when free (a step's admission waits
+    # on it once at concurrency 1, and a yield costs a loop iteration).
+    _admitting: anyio.Lock = field(default_factory=lambda: anyio.Lock(fast_acquire=True))
 
     def __post_init__(self) -> None:
         # Where the current window started: a save in mid-window goes back to it.
@@ -101,7 +103,7 @@ class Clock:
         if self._admitting.locked() or not self.admissible():
             async with self._admitting:
                 while not self.admissible():
-                    await self._changed.wait()
+                    await self.changed()
         self.slots += 1
         return self.slots - 1
 
@@ -174,11 +176,15 @@ class Clock:
 
     async def changed(self) -> None:
         """Wait for the next change of step, version or publish."""
+        if self._changed is None:
+            self._changed = anyio.Event()
         await self._changed.wait()
 
     def _notify(self) -> None:
-        self._changed.set()
-        self._changed = anyio.Event()
+        # An event only while someone waits: a step notifies twice (publish, completed).
+        if self._changed is not None:
+            self._changed.set()
+            self._changed = None
 
 
 @dataclass(frozen=True)

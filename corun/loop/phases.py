@@ -9,9 +9,9 @@ phase that fails leaves only its span.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable
 from dataclasses import dataclass, field
+from types import TracebackType
 from typing import Any
 
 from corun.base import timebase
@@ -20,26 +20,56 @@ from corun.loop.clock import Clock
 from corun.records.events import EventLog, Trace
 
 
-@dataclass
 class Stopwatch:
-    """A block's duration in seconds, once it ended without an error (else 0)."""
+    """A block's duration in seconds, once it ended without an error (else 0).
 
-    started: float = field(default_factory=timebase.monotonic)
-    seconds: float = 0.0
+    Context managers as classes, not generators, here and below: every step enters
+    several, and a generator's frame and ``contextlib`` wrapper cost a few µs each."""
+
+    __slots__ = ("seconds", "started")
+
+    def __init__(self) -> None:
+        self.started = timebase.monotonic()
+        self.seconds = 0.0
+
+    def __enter__(self) -> Stopwatch:
+        return self
+
+    def __exit__(
+        self, kind: type[BaseException] | None, error: BaseException | None,
+        traceback: TracebackType | None,
+    ) -> None:  # fmt: skip
+        if kind is None:
+            self.seconds = timebase.monotonic() - self.started
 
 
-@contextmanager
-def stopwatch() -> Iterator[Stopwatch]:
-    watch = Stopwatch()
-    yield watch
-    watch.seconds = timebase.monotonic() - watch.started
+def stopwatch() -> Stopwatch:
+    """``with stopwatch() as watch:`` times the block (``watch.seconds``)."""
+    return Stopwatch()
 
 
-@contextmanager
-def timed_span(trace: Trace, name: str, track: str, **args: Any) -> Iterator[Stopwatch]:
+class TimedSpan(Stopwatch):
+    """The block as span ``name`` of ``track`` in the trace (also when it fails), and
+    its duration."""
+
+    __slots__ = ("args", "name", "trace", "track", "wall")
+
+    def __init__(self, trace: Trace, name: str, track: str, args: dict[str, Any]) -> None:
+        self.trace, self.name, self.track, self.args = trace, name, track, args
+        self.wall = timebase.wall()
+        super().__init__()
+
+    def __exit__(
+        self, kind: type[BaseException] | None, error: BaseException | None,
+        traceback: TracebackType | None,
+    ) -> None:  # fmt: skip
+        super().__exit__(kind, error, traceback)
+        self.trace.complete(self.name, self.track, self.wall, timebase.wall(), **self.args)
+
+
+def timed_span(trace: Trace, name: str, track: str, **args: Any) -> TimedSpan:
     """The block as span ``name`` of ``track``, and its duration."""
-    with trace.span(name, track, **args), stopwatch() as watch:
-        yield watch
+    return TimedSpan(trace, name, track, args)
 
 
 @dataclass
@@ -61,18 +91,38 @@ class Phases:
         self.log = log
         self.clock = clock
 
-    @contextmanager
-    def phase(
-        self, name: str, timing: str, event: str | None = None, **span: Any
-    ) -> Iterator[Phase]:
+    def phase(self, name: str, timing: str, event: str | None = None, **span: Any) -> _Recording:
         """Span ``name`` (with ``span`` args); then the metrics the block put in the
         :class:`Phase`, with ``perf/<timing>_time_s``, and event ``event`` (``name``)."""
-        phase = Phase()
-        with timed_span(self.trace, name, "trainer", **span) as watch:
-            yield phase
-        phase.metrics[f"perf/{timing}_time_s"] = watch.seconds
-        self.log(self.clock.step, phase.metrics)
-        self.events.emit(event or name, self.clock.step, **phase.fields)
+        return _Recording(self, TimedSpan(self.trace, name, "trainer", span), timing, event or name)
+
+    def record(self, phase: Phase, timing: str, event: str, seconds: float) -> None:
+        """A phase that ended: its metrics, its event and an event per raised alert."""
+        phase.metrics[f"perf/{timing}_time_s"] = seconds
+        step = self.clock.step
+        self.log(step, phase.metrics)
+        self.events.emit(event, step, **phase.fields)
         for key, value in phase.metrics.items():
-            if is_alert(key) and isinstance(value, float | int) and value > 0:
-                self.events.emit("alert", self.clock.step, metric=key, value=value)
+            if "alert" in key and is_alert(key) and isinstance(value, float | int) and value > 0:
+                self.events.emit("alert", step, metric=key, value=value)
+
+
+class _Recording:
+    """``with phases.phase(...) as phase:``; a phase that fails leaves only its span."""
+
+    __slots__ = ("event", "phase", "phases", "span", "timing")
+
+    def __init__(self, phases: Phases, span: TimedSpan, timing: str, event: str) -> None:
+        self.phases, self.span, self.timing, self.event = phases, span, timing, event
+        self.phase = Phase()
+
+    def __enter__(self) -> Phase:
+        return self.phase
+
+    def __exit__(
+        self, kind: type[BaseException] | None, error: BaseException | None,
+        traceback: TracebackType | None,
+    ) -> None:  # fmt: skip
+        self.span.__exit__(kind, error, traceback)
+        if kind is None:
+            self.phases.record(self.phase, self.timing, self.event, self.span.seconds)

@@ -12,6 +12,7 @@ import os
 import threading
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
+from io import FileIO
 from pathlib import Path
 from typing import Any, BinaryIO
 
@@ -27,24 +28,27 @@ _encoder = msgspec.json.Encoder()
 
 
 class _LineFile:
-    """An append-only JSON-lines file, safe to write from several threads."""
+    """An append-only JSON-lines file, safe to write from several threads.
+
+    Unbuffered: each line is one ``write(2)``, so it is in the OS's hands (and survives
+    a hard kill) as soon as it is written, without a buffer's extra copy and flush."""
 
     def __init__(self, path: Path) -> None:
         self.path = path
         self._lock = threading.Lock()
-        self._file: BinaryIO | None = open(path, "ab")
+        self._file: FileIO | None = FileIO(path, "ab")
 
     def write(self, record: Mapping[str, Any]) -> None:
         line = _encoder.encode(record) + b"\n"
         with self._lock:
             if self._file is not None:
-                self._file.write(line)
-                self._file.flush()
+                written = self._file.write(line) or 0
+                while written < len(line):  # a short write (rare: a full disk raises)
+                    written += self._file.write(line[written:]) or 0
 
     def close(self) -> None:
         with self._lock:
             if self._file is not None:
-                self._file.flush()
                 os.fsync(self._file.fileno())
                 self._file.close()
                 self._file = None
@@ -124,24 +128,20 @@ class Trace:
             self.complete(name, track, start, timebase.wall(), **args)
 
     def complete(self, name: str, track: str, start: float, end: float, **args: Any) -> None:
-        span = {
-            "name": name,
-            "ph": "X",
-            "ts": round(start * 1e6, 1),
-            "dur": round((end - start) * 1e6, 1),
-            "pid": self._pid,
-            "args": args,
-        }
         with self._lock:
             if self._file is None:
                 return
-            tid = self._tracks.get(track)
-            if tid is None:
-                tid = self._tracks[track] = len(self._tracks) + 1
-                thread_name = {"name": track}
-                self._write({"name": "thread_name", "ph": "M", "pid": self._pid, "tid": tid,
-                             "args": thread_name})  # fmt: skip
-            self._write({**span, "tid": tid})
+            tid = self._tracks.get(track) or self._new_track(track)
+            self._write({
+                "name": name, "ph": "X", "ts": round(start * 1e6, 1),
+                "dur": round((end - start) * 1e6, 1), "pid": self._pid, "args": args, "tid": tid,
+            })  # fmt: skip
+
+    def _new_track(self, track: str) -> int:
+        tid = self._tracks[track] = len(self._tracks) + 1
+        self._write({"name": "thread_name", "ph": "M", "pid": self._pid, "tid": tid,
+                     "args": {"name": track}})  # fmt: skip
+        return tid
 
     def _write(self, record: dict[str, Any], last: bool = False) -> None:
         assert self._file is not None

@@ -11,7 +11,7 @@ from __future__ import annotations
 import sys
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 from corun.base.config import Config
 from corun.contract.trainer import Image, is_alert
@@ -71,6 +71,8 @@ class Progress:
             self._bar.start()
 
     def update(self, step: int, metrics: Mapping[str, float]) -> None:
+        if self._bar is None and self.mode != "plain":  # off: nothing shows the headline
+            return
         for key, value in metrics.items():
             if headline_rank(key) is not None:
                 self._headline[key] = value
@@ -136,17 +138,21 @@ class Reporter:
         )
 
     def log(self, step: int, metrics: Mapping[str, float | Image]) -> None:
-        numbers = {k: v for k, v in metrics.items() if not isinstance(v, Image)}
         images = {k: v for k, v in metrics.items() if isinstance(v, Image)}
-        self.metrics.log(step, numbers | {k: str(v.path) for k, v in images.items()})
+        numbers = cast(Mapping[str, float], metrics)  # the common case: no images
+        if images:
+            numbers = {k: v for k, v in metrics.items() if not isinstance(v, Image)}
+            self.metrics.log(step, {**numbers, **{k: str(v.path) for k, v in images.items()}})
+        else:
+            self.metrics.log(step, numbers)
         if self._wandb is not None:
             import wandb
 
             pictures = {k: wandb.Image(str(v.path), caption=v.caption) for k, v in images.items()}
-            self._wandb.log(numbers | pictures, step=step)
+            self._wandb.log({**numbers, **pictures}, step=step)
         self.progress.update(step, numbers)
         for key, value in numbers.items():
-            if is_alert(key) and value > 0:
+            if "alert" in key and is_alert(key) and value > 0:
                 self.progress.note(f"corun: warning at step {step}: {key} = {value:.4g}")
 
     def close(self) -> None:
