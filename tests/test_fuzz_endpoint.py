@@ -4,10 +4,11 @@ tool calls, episode ids), invalid UTF-8, odd content types, unknown routes and
 methods, random bearer tokens, episode sequences with reward reports.
 
 The ASGI app runs in process behind httpx's ``ASGITransport``, on an event loop in a
-blocking portal, with its real batcher and the calculator policy (a tiny model), so
-each example is one request. Every answer is 2xx, or 4xx with an OpenAI-style JSON
-error that names the field (``param``) where a field is wrong; never a 5xx, never a
-hang, and the endpoint keeps serving.
+blocking portal — asyncio and trio, each fuzzed with the same examples — with its real
+batcher and the calculator policy (a tiny model), so each example is one request.
+Every answer is 2xx, or 4xx with an OpenAI-style JSON error that names the field
+(``param``) where a field is wrong; never a 5xx, never a hang, and the endpoint keeps
+serving.
 """
 
 from __future__ import annotations
@@ -52,11 +53,13 @@ class Served:
         return self.portal.call(call)
 
 
-@pytest.fixture(scope="module")
-def served() -> Iterator[Served]:
+@pytest.fixture(scope="module", params=["asyncio", "trio"])
+def served(request: pytest.FixtureRequest) -> Iterator[Served]:
+    """The app on a portal of each backend (module-scoped: one per backend, every
+    test of the module on it in turn)."""
     lane = Lane("serve-fuzz")
     served_policy = policy(lane)
-    with start_blocking_portal("asyncio") as portal:
+    with start_blocking_portal(request.param) as portal:
         batcher = Batcher(served_policy, max_batch=8, wait_s=0.0)
         recorder = Recorder(served_policy, None, ttl_s=600)
         future = portal.start_task_soon(batcher.run)

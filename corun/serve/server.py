@@ -5,6 +5,12 @@ The listening socket is bound here (so port 0 gets a free port and the URL is kn
 before the first request) and handed to hypercorn. ``stop`` is graceful: the server
 stops accepting, in-flight requests get their complete responses (for up to
 ``GRACE_S``), then open connections are closed; the batcher serves until then.
+
+A connection its client closes while idle is closed at once (``_close_at_eof``):
+hypercorn 0.18 kept it, with its tasks and descriptor, until its keep-alive timeout (75 s
+here) ran out, so clients that open and close connections — a pool expiring idle ones,
+a client per episode — piled up sockets in CLOSE-WAIT (the soak, tests/soak.py, found
+it: 100 descriptors and 200 tasks more after a minute of 32 agents).
 """
 
 from __future__ import annotations
@@ -14,6 +20,7 @@ import os
 import socket
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
+from typing import Any
 
 import anyio
 import anyio.abc
@@ -156,9 +163,34 @@ async def serve(app: object, config: HypercornConfig, shutdown: object) -> None:
     # no signal handlers of its own (the host's, or corun's CLI, own the signals).
     if sniffio.current_async_library() == "trio":
         from hypercorn.trio import serve as trio_serve
+        from hypercorn.trio.tcp_server import TCPServer as TrioTCPServer
 
+        _close_at_eof(TrioTCPServer)
         await trio_serve(app, config, shutdown_trigger=shutdown)  # type: ignore[arg-type]
     else:
         from hypercorn.asyncio import serve as asyncio_serve
+        from hypercorn.asyncio.tcp_server import TCPServer
 
+        _close_at_eof(TCPServer)
         await asyncio_serve(app, config, shutdown_trigger=shutdown)  # type: ignore[arg-type]
+
+
+def _close_at_eof(server: type[Any]) -> None:
+    """Make hypercorn's connection ``server`` (asyncio's or trio's) close a connection
+    once its client has closed it. Its read loop ends there, but the connection's task
+    group still waited for the keep-alive timer before closing the socket; stopping the
+    timer lets it close now. A request still in flight is unaffected: no timer runs
+    during one, and hypercorn closes the connection after answering it. Once per class;
+    a hypercorn without these internals (another version) is left as it is."""
+    read_data = getattr(server, "_read_data", None)
+    if read_data is None or getattr(read_data, "closes_at_eof", False):
+        return
+
+    async def read_then_stop_idle_timer(self: Any) -> None:
+        await read_data(self)
+        idle = getattr(self, "idle_task", None)
+        if idle is not None:
+            await idle.stop()
+
+    read_then_stop_idle_timer.closes_at_eof = True  # type: ignore[attr-defined]
+    server._read_data = read_then_stop_idle_timer
