@@ -84,7 +84,9 @@ class Producer:
         # Kept batches that go first (completion order), in the order they had finished.
         self._first = self.kept.first()
         self._skip = set(self._first)  # claimed already: never a new index
-        self._send_lock = anyio.Lock()
+        # Taken without a yield when free (each batch takes it once; a yield costs a loop
+        # iteration of the template's step).
+        self._send_lock = anyio.Lock(fast_acquire=True)
         self._work_added = anyio.Event()
 
     async def run(self, send: anyio.abc.ObjectSendStream[Batch]) -> None:
@@ -120,7 +122,10 @@ class Producer:
             self._finished[index] = batch
             async with self._send_lock:
                 for ready in self._ready():
-                    await send.send(ready)
+                    try:  # into the buffer, or to the waiting trainer, without a yield
+                        send.send_nowait(ready)
+                    except anyio.WouldBlock:
+                        await send.send(ready)
 
     async def _rollout(
         self, worker: int, lane: Lane, track: str, index: int, slot: int, attempt: int
