@@ -21,6 +21,7 @@ import inspect
 from typing import Any
 
 import anyio.abc
+from anyio.streams.memory import MemoryObjectSendStream
 
 from corun.base.config import Config
 from corun.base.rng import rollout_generator
@@ -89,7 +90,7 @@ class Producer:
         self._send_lock = anyio.Lock(fast_acquire=True)
         self._work_added = anyio.Event()
 
-    async def run(self, send: anyio.abc.ObjectSendStream[Batch]) -> None:
+    async def run(self, send: MemoryObjectSendStream[Batch]) -> None:
         """Produce batches until cancelled (the loop stops it once the budget is trained)."""
         async with send, anyio.create_task_group() as workers:
             for i, lane in enumerate(self.lanes):
@@ -110,7 +111,7 @@ class Producer:
         self._work_added = anyio.Event()
 
     async def _work(
-        self, worker: int, lane: Lane, track: str, send: anyio.abc.ObjectSendStream[Batch]
+        self, worker: int, lane: Lane, track: str, send: MemoryObjectSendStream[Batch]
     ) -> None:
         while True:
             index, slot = await self._claim()
