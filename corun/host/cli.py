@@ -58,7 +58,7 @@ from corun.contract.engine import EngineError
 from corun.contract.registry import resolve_trainer
 from corun.contract.trainer import Outcome, Trainer
 from corun.execution import compute, distributed, procs
-from corun.host.early_signals import exit_on_signals
+from corun.host.early_signals import exit_on_signals, flush_output
 from corun.host.runs import run
 from corun.loop.deadlines import DeadlineError
 from corun.loop.session import Session
@@ -194,8 +194,7 @@ def _rank_main(config: Config, serve_only: bool) -> int:
         distributed.finish(clean=code == EXIT_OK)
         if scratch is not None and not os.environ.get("CORUN_RANK_DIR"):
             shutil.rmtree(scratch, ignore_errors=True)
-        sys.stdout.flush()
-        sys.stderr.flush()
+        flush_output()
         os._exit(code)
 
 
@@ -288,8 +287,7 @@ def _leave(code: int) -> int:
     for thread in others:
         thread.join(max(0.0, until - time.monotonic()))
     if compute.abandoned_threads() or any(t.is_alive() for t in others):
-        sys.stdout.flush()
-        sys.stderr.flush()
+        flush_output()
         os._exit(code)
     return code
 

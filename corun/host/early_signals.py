@@ -21,9 +21,14 @@ def exit_on_signals() -> None:
 
 
 def _exit_before_run(signum: int, frame: object) -> None:
+    flush_output()
+    os._exit(_SIGNAL_EXIT[signal.Signals(signum).name])
+
+
+def flush_output() -> None:
+    """Flush stdout and stderr before an ``os._exit``, whatever state they are in."""
     for stream in (sys.stdout, sys.stderr):
         try:
             stream.flush()
-        except Exception:  # inside a write of the main thread's: reentrant call
+        except Exception:  # closed, a broken pipe, or a reentrant call from a handler
             pass
-    os._exit(_SIGNAL_EXIT[signal.Signals(signum).name])

@@ -9,19 +9,18 @@ leaves without the interpreter's finalization — freeing every module and objec
 and its peers hold took 0.6–1.3 s of a 1.2 s Ctrl-C on 2 cores. Exit handlers
 (``atexit``: logging's flush, temporary directories, wandb) still run, and output is
 flushed; a non-daemon thread still running gets the interpreter's normal exit, which
-waits for it. The same holds for the memory a run's teardown hands back
-(corun/execution/guest.py: ``before_release``).
+waits for it. For the same reason a run's teardown need not hand memory back
+(corun/execution/guest.py: ``collections_left_to_exit``).
 """
 
 from __future__ import annotations
 
 import atexit
 import os
-import sys
 import threading
 
 from corun.execution import guest
-from corun.host.early_signals import exit_on_signals
+from corun.host.early_signals import exit_on_signals, flush_output
 
 
 def main() -> int:
@@ -39,9 +38,5 @@ def leave(code: int) -> int:
     if any(t is not main_thread and not t.daemon for t in threading.enumerate()):
         return code
     atexit._run_exitfuncs()
-    for stream in (sys.stdout, sys.stderr):
-        try:
-            stream.flush()
-        except (OSError, ValueError):  # a closed pipe or stream: nothing left to flush
-            pass
+    flush_output()
     os._exit(code)
