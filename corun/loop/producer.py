@@ -18,11 +18,15 @@ from __future__ import annotations
 
 import heapq
 import inspect
+from collections import deque
+from collections.abc import AsyncIterator, Awaitable, Callable
+from contextlib import asynccontextmanager
 from typing import Any
 
 import anyio.abc
 from anyio.streams.memory import MemoryObjectSendStream
 
+from corun.base import timebase
 from corun.base.config import Config
 from corun.base.rng import rollout_generator
 from corun.contract.data import Dataset
@@ -67,6 +71,7 @@ class Producer:
         self.trace = trace
         self.events = events
         self.order = config.loop.order
+        self.concurrency = config.loop.concurrency
         self.seed = config.run.seed
         self.data_timeout_s = config.run.data_timeout_s
         self.in_memory = getattr(dataset, "in_memory", False) is True  # see contract/data.py
@@ -89,6 +94,26 @@ class Producer:
         # iteration of the template's step).
         self._send_lock = anyio.Lock(fast_acquire=True)
         self._work_added = anyio.Event()
+        self._ready_in_place: deque[Batch] = deque()  # produced, not yet taken (concurrency 1)
+        self._handed_at: float | None = None  # when the last one was taken (concurrency 1)
+
+    @asynccontextmanager
+    async def batches(self) -> AsyncIterator[Callable[[], Awaitable[Batch]]]:
+        """The trainer's source of batches while inside: awaiting it gives the next one,
+        and raises ``anyio.EndOfStream`` once the workers failed (their error surfaces as
+        the block exits).
+
+        At concurrency 1 the rollout runs in the awaiting task: a rollout starts only once
+        the previous step has completed, so a worker task would have nothing to overlap
+        with, and handing its batch over would cost two task switches a step."""
+        if self.concurrency == 1 and len(self.lanes) == 1:
+            yield self._next_in_place
+            return
+        send, receive = anyio.create_memory_object_stream[Batch](self.concurrency)
+        async with anyio.create_task_group() as workers, receive:
+            workers.start_soon(self.run, send)
+            yield receive.receive
+            workers.cancel_scope.cancel()
 
     async def run(self, send: MemoryObjectSendStream[Batch]) -> None:
         """Produce batches until cancelled (the loop stops it once the budget is trained)."""
@@ -114,19 +139,36 @@ class Producer:
         self, worker: int, lane: Lane, track: str, send: MemoryObjectSendStream[Batch]
     ) -> None:
         while True:
-            index, slot = await self._claim()
-            attempt = self._attempts.get(index, 0)
-            batch = self.kept.take(index)  # kept by the checkpoint resumed from: no rollout
-            if batch is None:
-                batch = await self._rollout(worker, lane, track, index, slot, attempt)
-            self.kept.finished(batch, attempt)
-            self._finished[index] = batch
+            ready = await self._produce(worker, lane, track)
             async with self._send_lock:
-                for ready in self._ready():
+                for batch in ready:
                     try:  # into the buffer, or to the waiting trainer, without a yield
-                        send.send_nowait(ready)
+                        send.send_nowait(batch)
                     except anyio.WouldBlock:
-                        await send.send(ready)
+                        await send.send(batch)
+
+    async def _next_in_place(self) -> Batch:
+        """One worker's next batch, in the calling task (concurrency 1: one at a time).
+
+        The time since the previous batch was handed on counts as the generator's idle
+        time, as a worker task's wait for admission would (``perf/generator_idle_ratio``)."""
+        if self._handed_at is not None:
+            self.idle.generator_s += timebase.monotonic() - self._handed_at
+        while not self._ready_in_place:
+            self._ready_in_place.extend(await self._produce(0, self.lanes[0], "producer"))
+        self._handed_at = timebase.monotonic()
+        return self._ready_in_place.popleft()
+
+    async def _produce(self, worker: int, lane: Lane, track: str) -> list[Batch]:
+        """Claim an index, make (or take) its batch; the batches that may go on now."""
+        index, slot = await self._claim()
+        attempt = self._attempts.get(index, 0)
+        batch = self.kept.take(index)  # kept by the checkpoint resumed from: no rollout
+        if batch is None:
+            batch = await self._rollout(worker, lane, track, index, slot, attempt)
+        self.kept.finished(batch, attempt)
+        self._finished[index] = batch
+        return self._ready()
 
     async def _rollout(
         self, worker: int, lane: Lane, track: str, index: int, slot: int, attempt: int

@@ -212,34 +212,30 @@ class _Run:
         self.reporter.progress.note(f"corun: {text}")
 
     async def _train_steps(self) -> None:
-        """Producer task → stream → train steps, until the step budget is spent."""
+        """Batches from the producer → train steps, until the step budget is spent."""
         if self.clock.step >= self.config.run.steps:
             self._note(
                 f"{self.config.run_dir} is complete ({self.clock.step} steps): nothing to do; "
                 "raise run.steps to continue, or set run.dir to start a new run"
             )
             return
-        send, receive = anyio.create_memory_object_stream[Batch](self.config.loop.concurrency)
-        async with anyio.create_task_group() as producers:
-            producer = Producer(
-                self.trainer, self.dataset, self.lanes.rollout, self.clock, self.idle, self.trace,
-                self.events, distributed.rollout_config(self.config), stop=self.config.run.steps,
-                remote=self.remote, kept=self.checkpointer.rollouts,
-            )  # fmt: skip
-            producers.start_soon(producer.run, send)
-            async with receive:
-                while self.clock.step < self.config.run.steps:
-                    try:
-                        with stopwatch() as waited:
-                            batch = await receive.receive()
-                    except anyio.EndOfStream:  # the producer failed: its error surfaces here
-                        break
-                    self.idle.trainer_s += waited.seconds
-                    if self.clock.is_stale(batch.version):
-                        producer.drop(batch)  # its data index is generated again
-                    else:
-                        await self._train_one(batch)
-            producers.cancel_scope.cancel()
+        producer = Producer(
+            self.trainer, self.dataset, self.lanes.rollout, self.clock, self.idle, self.trace,
+            self.events, distributed.rollout_config(self.config), stop=self.config.run.steps,
+            remote=self.remote, kept=self.checkpointer.rollouts,
+        )  # fmt: skip
+        async with producer.batches() as next_batch:
+            while self.clock.step < self.config.run.steps:
+                try:
+                    with stopwatch() as waited:
+                        batch = await next_batch()
+                except anyio.EndOfStream:  # the workers failed: their error surfaces here
+                    break
+                self.idle.trainer_s += waited.seconds
+                if self.clock.is_stale(batch.version):
+                    producer.drop(batch)  # its data index is generated again
+                else:
+                    await self._train_one(batch)
 
     # ------------------------------------------------------------------ one step
 
