@@ -131,6 +131,36 @@ async def test_hand_offs_survive_cancellations_at_any_moment() -> None:
     assert {i for i in ran if i % 4 in (2, 3)} <= set(returned)  # never cancelled: returned
 
 
+@pytest.mark.skipif(sys.platform != "linux", reason="reads /proc/self/fd")
+async def test_a_lane_reuses_its_few_wake_up_sockets() -> None:
+    """On trio a call's return is signalled through a socket pair: many calls reuse a
+    few, however many wait at once, and closing the lane closes them."""
+
+    def open_fds() -> int:
+        return len(list(Path("/proc/self/fd").iterdir()))
+
+    before = open_fds()
+    lane = Lane("t")
+    try:
+        with anyio.fail_after(20):
+            for i in range(200):
+                assert await lane.run(int, i) == i
+            results: list[int] = []
+            async with anyio.create_task_group() as tasks:
+                for i in range(100):  # more than the lane keeps: the rest go another way
+                    tasks.start_soon(lambda i=i: _append(results, lane.run(int, i)))
+            assert sorted(results) == list(range(100))
+            during = open_fds()
+    finally:
+        lane.close()
+    assert during - before <= 2 * 8 + 2  # the pairs a lane keeps, and a wake-up pipe
+    assert open_fds() <= before + 2
+
+
+async def _append(results: list[int], call: Any) -> None:
+    results.append(await call)
+
+
 @pytest.mark.skipif(sys.platform != "linux", reason="reads /proc/self/maps")
 def test_preload_maps_triton_without_importing_it() -> None:
     """The library set-up's first optimizer loads (holding the GIL) is mapped early by
