@@ -146,7 +146,7 @@ class _WokenFuture(asyncio.Future[None]):
 
     _wake: tuple[Callable[[Any], object], contextvars.Context | None] | None = None
 
-    def add_done_callback(  # type: ignore[override]
+    def add_done_callback(
         self, fn: Callable[[Any], object], *, context: contextvars.Context | None = None
     ) -> None:
         self._wake = (fn, context)
