@@ -34,6 +34,7 @@ from contextlib import contextmanager
 from typing import Any, Literal, TypeVar, cast
 
 import anyio
+import anyio.lowlevel
 import anyio.to_thread
 import sniffio
 
@@ -193,9 +194,10 @@ class _Call:
 
             self.trio = trio
             self.signal = lane.take_signal()
-            self.resume: Callable[[Callable[[], None]], object] = (
-                trio.lowlevel.current_trio_token().run_sync_soon
-            )
+            if self.signal is None:  # past the lane's pool: through trio's entry queue
+                self.resume: Callable[[Callable[[], None]], object] = (
+                    trio.lowlevel.current_trio_token().run_sync_soon
+                )
         else:
             self.resume = asyncio.get_running_loop().call_soon_threadsafe
         self.cancel_requested = False  # set on the loop thread, read by the lane's thread
@@ -296,6 +298,10 @@ class Lane:
             if self._budget is not None:
                 self._budget.start_call()
             return fn(*args)
+        # A caller cancelled already never starts a call: once queued, the lane's thread
+        # may start it before the loop delivers the cancellation (on trio the wait's own
+        # epoll registration hands it the GIL).
+        await anyio.lowlevel.checkpoint_if_cancelled()
         call = _Call(fn, args, self)
         self._start()
         self._calls.put(call)
