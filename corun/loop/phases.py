@@ -12,12 +12,24 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from types import TracebackType
-from typing import Any
+from typing import Any, NamedTuple
 
 from corun.base import timebase
 from corun.contract.trainer import Image, Metrics, is_alert
 from corun.loop.clock import Clock
 from corun.records.events import EventLog, Trace
+
+
+class Mark(NamedTuple):
+    """An instant on both of the run's clocks: spans are placed by wall time and timed
+    by the monotonic one."""
+
+    monotonic: float
+    wall: float
+
+
+def now() -> Mark:
+    return Mark(timebase.monotonic(), timebase.wall())
 
 
 class Stopwatch:
@@ -50,21 +62,36 @@ def stopwatch() -> Stopwatch:
 
 class TimedSpan(Stopwatch):
     """The block as span ``name`` of ``track`` in the trace (also when it fails), and
-    its duration."""
+    its duration. What the block did may have begun (``since``) or ended
+    (:meth:`ended_at`) elsewhere: on a lane's thread, in a call that did more."""
 
-    __slots__ = ("args", "name", "trace", "track", "wall")
+    __slots__ = ("args", "end", "name", "trace", "track", "wall")
 
-    def __init__(self, trace: Trace, name: str, track: str, args: dict[str, Any]) -> None:
+    def __init__(
+        self, trace: Trace, name: str, track: str, args: dict[str, Any], since: Mark | None = None
+    ) -> None:
         self.trace, self.name, self.track, self.args = trace, name, track, args
         self.wall = timebase.wall()
+        self.end: Mark | None = None
         super().__init__()
+        if since is not None:
+            self.started, self.wall = since
+
+    def __enter__(self) -> TimedSpan:
+        return self
+
+    def ended_at(self, end: Mark) -> None:
+        """The block's work ended at ``end``, before the block does."""
+        self.end = end
 
     def __exit__(
         self, kind: type[BaseException] | None, error: BaseException | None,
         traceback: TracebackType | None,
     ) -> None:  # fmt: skip
-        super().__exit__(kind, error, traceback)
-        self.trace.complete(self.name, self.track, self.wall, timebase.wall(), **self.args)
+        end = self.end or now()
+        if kind is None:
+            self.seconds = end.monotonic - self.started
+        self.trace.complete(self.name, self.track, self.wall, end.wall, **self.args)
 
 
 def timed_span(trace: Trace, name: str, track: str, **args: Any) -> TimedSpan:
@@ -91,10 +118,15 @@ class Phases:
         self.log = log
         self.clock = clock
 
-    def phase(self, name: str, timing: str, event: str | None = None, **span: Any) -> _Recording:
-        """Span ``name`` (with ``span`` args); then the metrics the block put in the
-        :class:`Phase`, with ``perf/<timing>_time_s``, and event ``event`` (``name``)."""
-        return _Recording(self, TimedSpan(self.trace, name, "trainer", span), timing, event or name)
+    def phase(
+        self, name: str, timing: str, event: str | None = None, since: Mark | None = None,
+        **span: Any,
+    ) -> _Recording:  # fmt: skip
+        """Span ``name`` (with ``span`` args; begun ``since``, or now); then the metrics
+        the block put in the :class:`Phase`, with ``perf/<timing>_time_s``, and event
+        ``event`` (``name``)."""
+        recorded = TimedSpan(self.trace, name, "trainer", span, since)
+        return _Recording(self, recorded, timing, event or name)
 
     def record(self, phase: Phase, timing: str, event: str, seconds: float) -> None:
         """A phase that ended: its metrics, its event and an event per raised alert."""

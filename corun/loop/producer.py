@@ -35,8 +35,9 @@ from corun.execution.compute import Lane
 from corun.loop.clock import Clock, IdleTimes
 from corun.loop.deadlines import deadline
 from corun.loop.extensions import RemoteRollouts
+from corun.loop.fused import FusedUpdate
 from corun.loop.kept_rollouts import KeptRollouts
-from corun.loop.phases import stopwatch, timed_span
+from corun.loop.phases import Mark, stopwatch, timed_span
 from corun.records.events import EventLog, Trace
 
 _UNFETCHED = object()  # inputs the rollout's own call fetches (an in-memory dataset's)
@@ -96,17 +97,25 @@ class Producer:
         self._work_added = anyio.Event()
         self._ready_in_place: deque[Batch] = deque()  # produced, not yet taken (concurrency 1)
         self._handed_at: float | None = None  # when the last one was taken (concurrency 1)
+        self._fused: FusedUpdate | None = None  # run after each rollout, in its call
 
     @asynccontextmanager
-    async def batches(self) -> AsyncIterator[Callable[[], Awaitable[Batch]]]:
+    async def batches(
+        self, fused: FusedUpdate | None = None
+    ) -> AsyncIterator[Callable[[], Awaitable[Batch]]]:
         """The trainer's source of batches while inside: awaiting it gives the next one,
         and raises ``anyio.EndOfStream`` once the workers failed (their error surfaces as
         the block exits).
 
         At concurrency 1 the rollout runs in the awaiting task: a rollout starts only once
         the previous step has completed, so a worker task would have nothing to overlap
-        with, and handing its batch over would cost two task switches a step."""
+        with, and handing its batch over would cost two task switches a step. There, in
+        thread compute, a plain rollout's lane call also runs the ``fused`` update
+        (corun/loop/fused.py) — not when finished batches are kept for a checkpoint:
+        one is recorded as its rollout made it, before its update may replace its data."""
         if self.concurrency == 1 and len(self.lanes) == 1:
+            if self.lanes[0].mode == "thread" and not self.kept.enabled:
+                self._fused = fused
             yield self._next_in_place
             return
         send, receive = anyio.create_memory_object_stream[Batch](self.concurrency)
@@ -154,9 +163,11 @@ class Producer:
         time, as a worker task's wait for admission would (``perf/generator_idle_ratio``)."""
         if self._handed_at is not None:
             self.idle.generator_s += timebase.monotonic() - self._handed_at
+        self._handed_at = None
         while not self._ready_in_place:
             self._ready_in_place.extend(await self._produce(0, self.lanes[0], "producer"))
-        self._handed_at = timebase.monotonic()
+        if self._handed_at is None:  # else handed to the update of its own call
+            self._handed_at = timebase.monotonic()
         return self._ready_in_place.popleft()
 
     async def _produce(self, worker: int, lane: Lane, track: str) -> list[Batch]:
@@ -180,6 +191,7 @@ class Producer:
             lane=lane, trace=self.trace, track=track,
         )  # fmt: skip
         version = self.clock.published if scheduled is None else scheduled
+        result: Any
         with timed_span(self.trace, "rollout", track, index=index) as rollout:
             inputs = await self._inputs(lane, index)
             if self.remote is not None:
@@ -187,12 +199,15 @@ class Producer:
                 result = await self.remote.rollout(worker, inputs, ctx, version)
             elif self.rollout_is_async:
                 result = await self._rollout_at(inputs, ctx)
+            elif self._fused is not None:  # and then the step's update, in the same call
+                result, handed = await lane.run(
+                    self._rollout_fused, inputs, ctx, version, self._fused
+                )  # fmt: skip
+                rollout.ended_at(handed)
+                self._handed_at = handed.monotonic
             else:
                 result = await lane.run(self._rollout_at, inputs, ctx)
-        batch = result if isinstance(result, Batch) else Batch(result)
-        if batch.version < 0:  # the trainer did not say which weights it used
-            batch.version = version
-        batch.index = index
+        batch = _as_batch(result, index, version)
         batch.metrics = {**batch.metrics, "perf/rollout_time_s": rollout.seconds}
         return batch
 
@@ -250,6 +265,14 @@ class Producer:
             inputs = self.dataset.batch(ctx.index)
         return self.trainer.rollout(inputs, ctx)
 
+    def _rollout_fused(
+        self, inputs: Any, ctx: RolloutContext, version: int, fused: FusedUpdate
+    ) -> tuple[Batch, Mark]:
+        """On the lane: the rollout, then the step's update; the batch and when it was
+        handed to the update."""
+        batch = _as_batch(self._rollout_at(inputs, ctx), ctx.index, version)
+        return batch, fused.after_rollout(batch)
+
     async def _inputs(self, lane: Lane, index: int) -> Any:
         """The dataset's batch ``index``: on the lane within its deadline (a data source
         may block); an in-memory one's is left to where the rollout runs (no thread hop,
@@ -259,3 +282,13 @@ class Producer:
         what = f"the data source's batch {index}"
         with deadline(what, self.data_timeout_s, "run.data_timeout_s"):
             return await lane.run(self.dataset.batch, index)
+
+
+def _as_batch(result: Any, index: int, version: int) -> Batch:
+    """A rollout's result as the batch of data index ``index``, made with ``version``
+    unless the trainer said which weights it used."""
+    batch = result if isinstance(result, Batch) else Batch(result)
+    if batch.version < 0:
+        batch.version = version
+    batch.index = index
+    return batch

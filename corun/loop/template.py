@@ -22,6 +22,7 @@ come in as :class:`Extensions`, built outside the loop: ``corun.run``
 
 from __future__ import annotations
 
+import inspect
 import secrets
 from contextlib import AbstractContextManager, nullcontext
 from typing import Any
@@ -40,6 +41,7 @@ from corun.loop.checkpointer import Checkpointer
 from corun.loop.clock import Clock, IdleTimes
 from corun.loop.evaluation import Evaluator
 from corun.loop.extensions import Extensions, RemoteRollouts, Service
+from corun.loop.fused import FusedUpdate, Ran
 from corun.loop.lanes import Lanes
 from corun.loop.phases import Phases, stopwatch
 from corun.loop.producer import Producer
@@ -112,6 +114,7 @@ class _Run:
         self.evaluator = Evaluator(trainer, config, lanes.train, phases)
         self.remote: RemoteRollouts | None = None
         self.updater: Updater | None = None  # for a trainer that supplies a loss
+        self.plain_update = False  # the update is one plain call on the train lane
         self.outcome: Outcome | None = None
 
     # ------------------------------------------------------------------ the template
@@ -184,6 +187,7 @@ class _Run:
         self.events.emit("setup", self.clock.step)
         self.checkpointer.kept = ctx.kept
         self.updater = Updater.of(trainer, ctx.optimizers, config)
+        self.plain_update = self._update_is_plain()
         self.dataset = distributed.sharded(trainer.dataset())  # the rank's slice of each batch
         if self.restored is not None:
             with _left_if_stopped():
@@ -224,25 +228,35 @@ class _Run:
             self.events, distributed.rollout_config(self.config), stop=self.config.run.steps,
             remote=self.remote, kept=self.checkpointer.rollouts,
         )  # fmt: skip
-        async with producer.batches() as next_batch:
+        fused = FusedUpdate(self._apply_update, self.clock) if self.plain_update else None
+        async with producer.batches(fused) as next_batch:
             while self.clock.step < self.config.run.steps:
                 try:
                     with stopwatch() as waited:
                         batch = await next_batch()
                 except anyio.EndOfStream:  # the workers failed: their error surfaces here
                     break
-                self.idle.trainer_s += waited.seconds
+                ran = fused.take(batch) if fused is not None else None
+                # The wait ended where the batch was handed over: to this task, or to its
+                # update in the rollout's own lane call.
+                self.idle.trainer_s += (
+                    waited.seconds if ran is None else ran.handed.monotonic - waited.started
+                )
                 if self.clock.is_stale(batch.version):
                     producer.drop(batch)  # its data index is generated again
                 else:
-                    await self._train_one(batch)
+                    await self._train_one(batch, ran)
 
     # ------------------------------------------------------------------ one step
 
-    async def _train_one(self, batch: Batch) -> None:
+    async def _train_one(self, batch: Batch, ran: Ran | None) -> None:
+        """Train on ``batch``: its update, or the one already ``ran`` in its rollout's
+        lane call; then sync, eval and save when the cadence says."""
         staleness = self.clock.version - batch.version
-        with self.phases.phase("train", "train", "step", step=self.clock.step + 1) as trained:
-            metrics = await self._update(batch)
+        since = ran.handed if ran is not None else None
+        step = self.clock.step + 1
+        with self.phases.phase("train", "train", "step", since, step=step) as trained:
+            metrics = await self._update(batch, ran)
             # The update has been applied: record it before any further await, so a
             # cancellation from here on cannot lose the step's bookkeeping.
             self.clock.trained(batch.index)
@@ -258,14 +272,34 @@ class _Run:
         await self.checkpointer.after(step)
         self.clock.completed()
 
-    async def _update(self, batch: Batch) -> dict[str, Any]:
+    async def _update(self, batch: Batch, ran: Ran | None) -> dict[str, Any]:
+        result: Any
+        if ran is not None:
+            result = ran.outcome()
+        elif self.plain_update:
+            result = await self.lanes.train.run(self._apply_update, batch)
+        elif overrides(self.trainer, "train_step"):  # an async one: on the loop
+            result = self.trainer.train_step(batch)
+        else:
+            return {}
+        return dict(await result if inspect.isawaitable(result) else result)
+
+    def _update_is_plain(self) -> bool:
+        """Whether the step's update is one plain call on the train lane (the update
+        protocol's, or a trainer's own synchronous ``train_step``)."""
+        train_step = self.trainer.train_step
+        return self.updater is not None or (
+            overrides(self.trainer, "train_step") and not inspect.iscoroutinefunction(train_step)
+        )
+
+    def _apply_update(self, batch: Batch) -> Any:
+        """The step's update, on the train lane's thread: a step's metrics (a trainer's
+        ``train_step`` may return an awaitable of them)."""
         if self.updater is not None:
             window_pos = self.cadence.window_pos(self.clock.step)
             version = self.clock.version  # the window's start: no update applied yet
-            return await self.lanes.train.run(self.updater.train, batch, window_pos, version)
-        if overrides(self.trainer, "train_step"):
-            return dict(await call_hook(self.lanes.train, self.trainer.train_step, batch))
-        return {}
+            return self.updater.train(batch, window_pos, version)
+        return self.trainer.train_step(batch)
 
     # ------------------------------------------------------------------ teardown steps
 
