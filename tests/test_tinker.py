@@ -103,7 +103,8 @@ def test_lora_client_learns_and_samples_with_the_trainers_logprobs(
         ids = prompt + sequence.tokens
         size = len(ids) - 1
         sampled_lp = [0.0] * (len(prompt) - 1) + list(sequence.logprobs or [])
-        advantage = 1.0 if index == 0 else -0.5
+        # Not summing to zero over equal lengths (three samples cut at max_tokens).
+        advantage = 1.0 if index == 0 else -0.25
         advantages = [0.0] * (len(prompt) - 1) + [advantage] * len(sequence.tokens)
         is_data.append(types.Datum(
             model_input=types.ModelInput.from_ints(ids[:-1]),
@@ -114,7 +115,7 @@ def test_lora_client_learns_and_samples_with_the_trainers_logprobs(
     first = client.forward_backward(is_data, "importance_sampling").result()
     # The ratio is 1 at the sampling weights: the loss is -Σ advantages over sampled tokens.
     expected = -sum(sum(d.loss_fn_inputs["advantages"].tolist()) for d in is_data)
-    assert math.isclose(first.metrics["loss:sum"], expected, rel_tol=1e-3)
+    assert math.isclose(first.metrics["loss:sum"], expected, rel_tol=1e-3, abs_tol=1e-4)
     client.optim_step(types.AdamParams(learning_rate=1e-2)).result()
     after = client.forward(is_data, "importance_sampling").result()
     assert after.metrics["loss:sum"] < first.metrics["loss:sum"]
