@@ -11,7 +11,7 @@ the hand-over's time measured on the lane's thread.
 
 The update is left to the loop (its own call, or none, exactly as with two calls) when
 the batch is over the staleness bound (the loop drops it), when the run is being
-stopped (the finished batch is kept, no update applied), or when the update stops at
+stopped (the finished batch is not trained), or when the update stops at
 a cancel point (:class:`LaneCancelled`: nothing applied).
 """
 
@@ -70,8 +70,11 @@ class FusedUpdate:
         return handed
 
     def take(self, batch: Batch) -> Ran | None:
-        """On the loop: the update run with ``batch``'s rollout, if one was."""
+        """On the loop: the update run with ``batch``'s rollout, if one was. (At
+        concurrency 1 the producer hands on the batch it just made: an update run with
+        another one would be an applied update lost from the books.)"""
         ran, self._ran = self._ran, None
-        if ran is None or ran[0] is not batch:
+        if ran is None:
             return None
+        assert ran[0] is batch, "an update ran with a batch the loop did not take"
         return ran[1]
