@@ -62,7 +62,7 @@ def build(path: Path, shape: dict[str, Any], device: str) -> Path:
     words = ["<pad>", "<s>", "</s>", "<unk>", *"abcdefghijklmnopqrstuvwxyz0123456789"]
     core = Tokenizer(models.WordLevel({w: i for i, w in enumerate(words)}, unk_token="<unk>"))
     core.pre_tokenizer = pre_tokenizers.Whitespace()
-    PreTrainedTokenizerFast(
+    PreTrainedTokenizerFast(  # type: ignore[no-untyped-call]
         tokenizer_object=core, pad_token="<pad>", bos_token="<s>", eos_token="</s>",
         unk_token="<unk>",
     ).save_pretrained(path)  # fmt: skip
@@ -70,7 +70,7 @@ def build(path: Path, shape: dict[str, Any], device: str) -> Path:
                          pad_token_id=0, bos_token_id=1, eos_token_id=2)  # fmt: skip
     torch.manual_seed(0)
     with torch.device(device):
-        model = Qwen2ForCausalLM(config)
+        model = Qwen2ForCausalLM(config)  # type: ignore[no-untyped-call]
     (model.bfloat16() if device == "cuda" else model).save_pretrained(path)  # as Qwen ships
     return path
 
@@ -122,7 +122,7 @@ def train(model_dir: Path, grid: dict[str, Any], out: Path) -> None:
         started = time.perf_counter()
         logits = policy(ids)
         loss = F.cross_entropy(logits[:, :-1].flatten(0, 1), ids[:, 1:].flatten())
-        loss.backward()
+        torch.autograd.backward(loss)
         parallel.clip_grad_norm(trained, 1.0)
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
@@ -243,7 +243,7 @@ def nbytes(tensors: Any) -> int:
 
 
 def report(trained: dict[str, Any], synced: dict[str, Any], grid: dict[str, Any]) -> str:
-    from corun.bench.report import Table, fmt, markdown_table
+    from benchmarks.report import Table, fmt, markdown_table
 
     def ms(times: list[float]) -> str:
         return fmt(1e3 * statistics.median(times[1:] or times), 1)

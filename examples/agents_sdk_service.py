@@ -3,7 +3,7 @@ corun trains their Hugging Face policy in the same process: ``python
 examples/agents_sdk_service.py [port]`` from the repository root (the ``openai-agents``
 package installed).
 
-The policy is the built-in tiny Llama of corun/recipes/hf_agentic.toml (warm-started
+The policy is the built-in tiny Llama of configs/hf_agentic.toml (warm-started
 by hf_agentic_sft.toml, trained first when missing, ~1 minute). The agents are plain
 Agents SDK agents — an ``Agent`` with a ``@function_tool`` calculator on
 ``OpenAIChatCompletionsModel`` — that know nothing of corun but their base URL: each

@@ -224,10 +224,10 @@ async def test_grpo_raises_held_out_success_from_the_warm_start(
     """The shipped configs, shortened: the SFT warm start (35 steps on 64
     demonstrations), then 30 GRPO steps without tool latency. Held-out success (256
     problems, greedy) rises by more than 3 standard errors (measured: 0.645 → 0.96)."""
-    sft = corun.load_config(REPO / "corun/recipes/agentic_sft.toml",
+    sft = corun.load_config(REPO / "configs/agentic_sft.toml",
                             [f"run.dir={tmp_path / 'sft'}", "log.progress=off"])  # fmt: skip
     warm = tmp_path / "sft" / "checkpoints" / "step-35"
-    rl = corun.load_config(REPO / "corun/recipes/agentic.toml", [
+    rl = corun.load_config(REPO / "configs/agentic.toml", [
         f"run.dir={tmp_path / 'rl'}", f"trainer.init_from={warm}", "run.steps=30",
         "loop.eval_interval=30", "trainer.env.latency_ms=0", "log.progress=off",
     ])  # fmt: skip

@@ -1,6 +1,6 @@
 """``corun bench``: the report and plots it writes (on the test's tiny grid, a few
 suites), and its one-line usage errors. Figures are never asserted: timings belong in
-corun/bench/."""
+benchmarks/."""
 
 from __future__ import annotations
 

@@ -1,5 +1,5 @@
 """Smoke test: the overhead benchmark runs end to end and prints both tables (its
-figures are never asserted: timings belong in corun/bench/)."""
+figures are never asserted: timings belong in benchmarks/)."""
 
 from __future__ import annotations
 
@@ -19,7 +19,7 @@ ROOT = Path(__file__).resolve().parents[1]
 def test_overhead_benchmark_quick(tmp_path: Path) -> None:
     out = tmp_path / "figures.json"
     result = subprocess.run(
-        [sys.executable, "-m", "corun.bench.overhead", "--quick", "--json", str(out)],
+        [sys.executable, "-m", "benchmarks.overhead", "--quick", "--json", str(out)],
         cwd=ROOT, capture_output=True, text=True, timeout=300,
     )  # fmt: skip
     assert result.returncode == 0, result.stderr[-2000:]
@@ -33,7 +33,7 @@ def test_overhead_benchmark_quick(tmp_path: Path) -> None:
 
 def test_async_throughput_benchmark_quick() -> None:
     result = subprocess.run(
-        [sys.executable, "-m", "corun.bench.async_throughput", "--quick"],
+        [sys.executable, "-m", "benchmarks.async_throughput", "--quick"],
         cwd=ROOT, capture_output=True, text=True, timeout=300,
     )  # fmt: skip
     assert result.returncode == 0, result.stderr[-2000:]
@@ -82,11 +82,11 @@ def test_ray_workers_benchmark_quick(tmp_path: Path) -> None:
 
 
 def _quick_benchmark(name: str, tmp_path: Path, timeout: float) -> tuple[str, Any, str]:
-    """``python -m corun.bench.<name> --quick --json``, tagged in its environment so
+    """``python -m benchmarks.<name> --quick --json``, tagged in its environment so
     that leftover processes can be found: its stdout, its figures and the tag."""
     out, tag = tmp_path / "figures.json", f"corun-{name}-test-{os.getpid()}"
     result = subprocess.run(
-        [sys.executable, "-m", f"corun.bench.{name}", "--quick", "--json", str(out)],
+        [sys.executable, "-m", f"benchmarks.{name}", "--quick", "--json", str(out)],
         cwd=ROOT, capture_output=True, text=True, timeout=timeout,
         env={**os.environ, "CORUN_BENCHMARK_TAG": tag},
     )  # fmt: skip
@@ -129,7 +129,7 @@ def test_parallel_benchmark_tiny(tmp_path: Path) -> None:
     rank's memory followed), hf_grpo's full-weight and LoRA syncs; no rank left behind."""
     out, tag = tmp_path / "figures.json", f"corun-parallel-test-{os.getpid()}"
     result = subprocess.run(
-        [sys.executable, "-m", "corun.bench.parallel", "--grid", "tiny", "--json", str(out)],
+        [sys.executable, "-m", "benchmarks.parallel", "--grid", "tiny", "--json", str(out)],
         cwd=ROOT, capture_output=True, text=True, timeout=300,
         env={**os.environ, "CORUN_BENCHMARK_TAG": tag},
     )  # fmt: skip

@@ -282,7 +282,7 @@ def test_resume_from_a_path_that_is_not_a_checkpoint(
 def test_a_recipe_by_name(
     tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """A bare name that is no file where corun runs is a shipped recipe (corun/recipes/);
+    """A bare name that is no file where corun runs is a shipped recipe (configs/);
     the run it warm-starts from is named by recipe name too."""
     monkeypatch.chdir(tmp_path)  # nothing of the checkout's here
     code, out, err = call_main(["validate", "grpo", "run.steps=2"], capsys)
@@ -310,7 +310,7 @@ def test_recipes_are_listed_and_copied_out(
     code, _, err = call_main(["recipes", "copy", "grpo", str(tmp_path)], capsys)
     assert code == 0, err
     copied = tmp_path / "grpo.toml"
-    assert copied.read_text() == (REPO / "corun" / "recipes" / "grpo.toml").read_text()
+    assert copied.read_text() == (REPO / "configs" / "grpo.toml").read_text()
     code, _, err = call_main(["recipes", "copy", "grpo", str(tmp_path)], capsys)
     assert_usage_error(code, err, str(copied))  # never over a file of one's own
     code, _, err = call_main(["recipes", "copy", "no_such_recipe"], capsys)

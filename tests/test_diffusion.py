@@ -299,7 +299,7 @@ def test_config_rejects_bad_values(tmp_path: Path, key: str, value: Any) -> None
 
 def test_shipped_config_loads() -> None:
     shipped = corun.load_config(
-        REPO / "corun/recipes/diffusion_pretrain.toml", [f"trainer.kind={KIND}"]
+        REPO / "configs/diffusion_pretrain.toml", [f"trainer.kind={KIND}"]
     )
     assert isinstance(shipped.trainer, FlowPretrainConfig) and shipped.trainer.jitter > 1
 

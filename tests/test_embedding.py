@@ -96,12 +96,12 @@ async def test_host_agents_train_the_tool_task_through_the_endpoint(
 ) -> None:
     """The SFT warm start, then 30 GRPO steps on episodes that a host's agents ran
     through the endpoint (8 problems x 8 episodes a step, recorded token for token):
-    held-out success rises by more than 3 standard errors, as corun/recipes/agentic.toml's
+    held-out success rises by more than 3 standard errors, as configs/agentic.toml's
     does (measured: 0.645 -> 0.99)."""
-    sft = corun.load_config(REPO / "corun/recipes/agentic_sft.toml",
+    sft = corun.load_config(REPO / "configs/agentic_sft.toml",
                             [f"run.dir={tmp_path / 'sft'}", "log.progress=off"])  # fmt: skip
     warm = tmp_path / "sft" / "checkpoints" / "step-35"
-    config = corun.load_config(REPO / "corun/recipes/agentic.toml", [
+    config = corun.load_config(REPO / "configs/agentic.toml", [
         f"run.dir={tmp_path / 'rl'}", f"trainer.init_from={warm}", "run.steps=30",
         "loop.eval_interval=30", "log.progress=off", "trainer.episodes=submitted",
         "serve.enabled=true", "run.name=agentic", "loop.max_staleness=1",

@@ -280,14 +280,14 @@ REPO = Path(__file__).resolve().parents[1]
 
 @pytest.mark.parametrize("name", ["hf_sft", "hf_grpo", "hf_grpo_vllm", "hf_ppo"])
 def test_shipped_configs_load(name: str) -> None:
-    config = corun.load_config(REPO / f"corun/recipes/{name}.toml")
+    config = corun.load_config(REPO / f"configs/{name}.toml")
     assert config.trainer.kind.startswith("hf_")
 
 
 async def test_sft_warm_start_learns(tmp_path: Path, anyio_backend: str) -> None:
-    """corun/recipes/hf_sft.toml, shortened: held-out numeric match rises from the random
+    """configs/hf_sft.toml, shortened: held-out numeric match rises from the random
     model's ~0.01 by more than 3 standard errors."""
-    config = corun.load_config(REPO / "corun/recipes/hf_sft.toml", [
+    config = corun.load_config(REPO / "configs/hf_sft.toml", [
         f"run.dir={tmp_path / 'run'}", "run.steps=100", "loop.eval_interval=100",
         "trainer.eval_size=256", "log.progress=off",
     ])  # fmt: skip

@@ -324,10 +324,10 @@ async def test_grpo_raises_held_out_success_from_the_warm_start(
     """The shipped recipes: hf_agentic_sft.toml (160 steps), then hf_agentic.toml (60
     GRPO steps). Held-out success (256 problems, greedy episodes) rises by more than 3
     standard errors (measured: 0.58 -> 0.94, ~2 min on 2 cores)."""
-    sft = corun.load_config(REPO / "corun/recipes/hf_agentic_sft.toml",
+    sft = corun.load_config(REPO / "configs/hf_agentic_sft.toml",
                             [f"run.dir={tmp_path / 'sft'}", "log.progress=off"])  # fmt: skip
     warm = tmp_path / "sft" / "checkpoints" / f"step-{sft.run.steps}"
-    rl = corun.load_config(REPO / "corun/recipes/hf_agentic.toml", [
+    rl = corun.load_config(REPO / "configs/hf_agentic.toml", [
         f"run.dir={tmp_path / 'rl'}", f"trainer.init_from={warm}", "log.progress=off",
     ])  # fmt: skip
     with anyio.fail_after(900):

@@ -1,5 +1,5 @@
 """Smoke test: the host-lag benchmark runs end to end on asyncio and trio, with its
-spike attribution (its figures are never asserted: timings belong in corun/bench/)."""
+spike attribution (its figures are never asserted: timings belong in benchmarks/)."""
 
 from __future__ import annotations
 
@@ -17,7 +17,7 @@ ROOT = Path(__file__).resolve().parents[1]
 def test_host_lag_benchmark_quick(tmp_path: Path) -> None:
     out = tmp_path / "figures.json"
     result = subprocess.run(
-        [sys.executable, "-m", "corun.bench.host_lag", "--quick", "--explain", "--json", str(out)],
+        [sys.executable, "-m", "benchmarks.host_lag", "--quick", "--explain", "--json", str(out)],
         cwd=ROOT, capture_output=True, text=True, timeout=300,
     )  # fmt: skip
     assert result.returncode == 0, result.stderr[-2000:]

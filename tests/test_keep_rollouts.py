@@ -1,4 +1,4 @@
-"""Lossless async resume (``checkpoint.keep_rollouts``) on ``corun/recipes/grpo_async.toml``
+"""Lossless async resume (``checkpoint.keep_rollouts``) on ``configs/grpo_async.toml``
 with a small model: finished, untrained rollout batches survive the checkpoint and are
 trained first after resume; rollouts in flight are generated again.
 
@@ -262,7 +262,7 @@ async def test_free_running_trains_every_index_once(tmp_path: Path, anyio_backen
 def test_sigint_and_resume_of_a_real_corun_train(
     tmp_path: Path, tmp_path_factory: pytest.TempPathFactory
 ) -> None:
-    """``corun train corun/recipes/grpo_async.toml``, Ctrl-C while batches are buffered, then
+    """``corun train configs/grpo_async.toml``, Ctrl-C while batches are buffered, then
     ``corun train`` again: the teardown save keeps them and the resumed run equals the
     uninterrupted one bitwise."""
     straight = anyio.run(_straight, tmp_path_factory)

@@ -50,7 +50,7 @@ class Kill:
 
 
 def _command(run_dir: Path) -> list[str]:
-    config = str(Path(__file__).resolve().parents[1] / "corun" / "recipes" / "sft.toml")
+    config = str(Path(__file__).resolve().parents[1] / "configs" / "sft.toml")
     return [*corun_command(), "train", config, *BIG_SFT, f"run.dir={run_dir}",
             "checkpoint.resume=true"]  # fmt: skip
 

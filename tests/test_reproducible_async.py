@@ -1,4 +1,4 @@
-"""Reproducible async runs: ``corun/recipes/grpo_async.toml`` under the fixed version schedule.
+"""Reproducible async runs: ``configs/grpo_async.toml`` under the fixed version schedule.
 
 Two runs with the same seed end bitwise equal although one of them has random delays
 injected into its rollouts (so its workers finish in other orders and the trainer
@@ -27,7 +27,7 @@ from trainers.lm.grpo import GRPOTrainer
 
 pytestmark = pytest.mark.anyio
 
-ASYNC = Path(__file__).resolve().parents[1] / "corun/recipes/grpo_async.toml"
+ASYNC = Path(__file__).resolve().parents[1] / "configs/grpo_async.toml"
 SMALL = [
     "trainer.init_from=", "trainer.d_model=32", "trainer.n_heads=2", "trainer.n_layers=1",
     "trainer.samples_per_prompt=4", "trainer.eval_size=8", "trainer.truncated_reward=keep",

@@ -162,7 +162,7 @@ def test_config_is_validated() -> None:
         make_config(learning_rate=1e-3)
     with pytest.raises(ConfigError, match=r"\$\.trainer\.task"):
         make_config(task="division")
-    shipped = load_config(REPO / "corun/recipes/sft.toml", [f"trainer.kind={KIND}"])
+    shipped = load_config(REPO / "configs/sft.toml", [f"trainer.kind={KIND}"])
     assert isinstance(shipped.trainer, SFTConfig) and shipped.trainer.task == "sort"
 
 

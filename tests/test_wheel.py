@@ -19,10 +19,11 @@ from pathlib import Path
 
 import pytest
 
-from corun.bench.suite import SUITES
+from benchmarks.suite import SUITES
 
 ROOT = Path(__file__).resolve().parents[1]
-SOURCES = ("pyproject.toml", "README.md", "corun", "trainers")  # what the wheel is built from
+# What the wheel is built from (corun/recipes/configs links to configs/: copied as files).
+SOURCES = ("pyproject.toml", "README.md", "corun", "trainers", "benchmarks", "configs")
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
 pytestmark = pytest.mark.slow  # a build, an install and real runs: minutes
@@ -66,19 +67,22 @@ def corun(venv: Path, cwd: Path, *args: str, timeout: float) -> subprocess.Compl
 
 
 def test_the_wheel_trains_a_recipe_and_benches(venv: Path, tmp_path: Path) -> None:
-    code = "import corun, trainers; print(corun.__file__, trainers.__file__)"
+    code = "import benchmarks, corun, trainers; print(benchmarks, corun, trainers, sep='\\n')"
     where = subprocess.run([str(venv / "python"), "-c", code], cwd=tmp_path,
-                           capture_output=True, text=True, check=True).stdout.split()  # fmt: skip
-    assert all(Path(path).is_relative_to(venv.parent) for path in where), where
+                           capture_output=True, text=True, check=True).stdout  # fmt: skip
+    paths = [line.split(" from ")[1].strip("'>") for line in where.splitlines()]
+    assert len(paths) == 3 and all(Path(p).is_relative_to(venv.parent) for p in paths), where
     listed = corun(venv, tmp_path, "recipes", timeout=60)
-    assert listed.returncode == 0 and "grpo " in listed.stdout, listed.stderr
+    assert listed.returncode == 0, listed.stderr
+    recipes = sorted(path.stem for path in (ROOT / "configs").glob("*.toml"))
+    assert [line.split()[0] for line in listed.stdout.splitlines()] == recipes
     # The grpo recipe names its warm start by recipe name: trained first, here.
     trained = corun(venv, tmp_path, "train", "grpo", "run.steps=2", "log.progress=off",
                     timeout=600)  # fmt: skip
     assert trained.returncode == 0, trained.stderr[-3000:]
     for run in ("grpo", "sft-warmup"):
         assert '"reason":"done"' in (tmp_path / "runs" / run / "events.jsonl").read_text()
-    # A suite that trains a recipe in a fresh `python -m corun.bench.host_lag`.
+    # A suite that trains a recipe in a fresh `python -m benchmarks.host_lag`.
     out = tmp_path / "bench"
     bench = corun(venv, tmp_path, "bench", "host_lag", "--quick", "--out", str(out), timeout=600)
     assert bench.returncode == 0, bench.stderr[-3000:]

@@ -22,7 +22,7 @@ from corun.recipes import locate
 
 
 def load_config(path: str | Path, overrides: list[str] | tuple[str, ...] = ()) -> Config:
-    """Read, override and validate a config file (or a shipped recipe, by name: corun/recipes/);
+    """Read, override and validate a config file (or a shipped recipe, by name: configs/);
     raise ConfigError with one clear line."""
     path = locate(path)
     try:

@@ -180,7 +180,7 @@ class _Call:
     scheduled on the loop (``call_soon_threadsafe``) gives the task's future its
     result; on trio a :class:`_TrioSignal` (or, past a lane's pool of them,
     ``run_sync_soon`` and a reschedule). No events and no locks per call: a lane's hop
-    costs about what the OS's wake-ups cost (``python -m corun.bench.overhead``)."""
+    costs about what the OS's wake-ups cost (``python -m benchmarks.overhead``)."""
 
     __slots__ = ("args", "cancel_requested", "done", "error", "fn", "result", "resume", "signal",
                  "trio", "waiter")  # fmt: skip

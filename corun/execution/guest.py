@@ -4,7 +4,7 @@ collector, both process-wide, the host's event loop feels.
 corun trains inside the caller's event loop (an embedding service's, or the CLI's) and
 runs its compute on lane threads, so the loop thread never runs a step; but it needs
 the GIL each time it wakes, and two CPython mechanisms decide how long a lane thread
-can keep it waiting. corun/bench/host_lag.py measures both (a 1 ms ticker in the host
+can keep it waiting. benchmarks/host_lag.py measures both (a 1 ms ticker in the host
 while the sft recipe trains, 2 CPU cores): with these settings the ticker's p99 lag
 went from 3.6–3.9 to 1.3–2.3 ms and its max from 106–129 to 6–15 ms, at no measurable
 cost in steps per second.

@@ -4,7 +4,7 @@ CPython loads an extension module's library (``dlopen``) while holding the GIL, 
 big one keeps every other thread waiting throughout: the first torch optimizer imports
 ``torch._dynamo``, which imports triton, whose ``libtriton.so`` (LLVM inside) takes
 50-90 ms to map and relocate. On a lane thread during set-up, that is how long an
-embedding host's event loop could not wake (``python -m corun.bench.host_lag
+embedding host's event loop could not wake (``python -m benchmarks.host_lag
 --explain``: "GIL wait, during setup", 30-110 ms). Called through ctypes, ``dlopen``
 runs with the GIL released; once mapped, the import's own ``dlopen`` finds it loaded
 and returns at once (the host's longest wait during the import: ~8 ms).

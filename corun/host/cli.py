@@ -1,9 +1,10 @@
 """``corun train|serve|validate|simulate|bench|recipes``: the only place that owns argv,
 signals and exit codes.
 
-A config is a TOML file, or the name of a recipe corun ships (corun/recipes/: ``corun
-train grpo``); ``corun recipes`` lists them, ``corun recipes copy grpo [DEST]`` copies
-one out to edit. ``corun bench`` runs corun/bench/'s suites (imported only for it).
+A config is a TOML file, or the name of a recipe corun ships (configs/: ``corun train
+grpo``); ``corun recipes`` lists them, ``corun recipes copy grpo [DEST]`` copies one out
+to edit. ``corun bench`` runs the benchmark suites (benchmarks/), found through the entry
+point group ``corun.bench`` when the command is ``bench`` and never imported by name.
 
 ``corun serve`` serves the OpenAI-compatible endpoint for a config's policy — its run's
 latest checkpoint, or its initial weights — without training, and prints
@@ -45,6 +46,7 @@ import tempfile
 import threading
 import time
 import traceback
+from importlib.metadata import entry_points
 from pathlib import Path
 from typing import Any, NoReturn
 
@@ -69,6 +71,8 @@ from corun.records.events import EVENTS_FILE, EventLog
 from corun.scale import launch
 
 EXIT_OK, EXIT_ERROR, EXIT_USAGE = 0, 1, 2
+BENCH_ENTRY_POINTS = "corun.bench"  # `suites`: the module behind `corun bench`
+BENCH_TEXT = "run the throughput suites; report.md and plots in a run directory"
 _SIGNAL_EXIT = {"SIGINT": 130, "SIGTERM": 143}
 
 
@@ -94,10 +98,7 @@ def _parser() -> argparse.ArgumentParser:
         if name == "simulate":  # corun/sim/simulate.py
             sub.add_argument("--fit", metavar="RUN_DIR", help="fit the model to a run's records")
             sub.add_argument("--out", metavar="DIR", help="default runs/simulate/<run.name>")
-    from corun.bench.suite import add_arguments  # the suites' own parser: no imports of theirs
-
-    text = "run the throughput suites; report.md and plots in a run directory"
-    add_arguments(commands.add_parser("bench", help=text, description=text))
+    commands.add_parser("bench", help=BENCH_TEXT, add_help=False)  # its arguments: _bench's
     text = "list the recipes corun ships (corun train NAME trains one)"
     recipes = commands.add_parser("recipes", help=text, description=text)
     text = "copy a recipe out to edit it"
@@ -111,13 +112,14 @@ def _parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     exit_on_signals()  # until the run's own handlers (or launch's) replace these
     logging.basicConfig(format="corun: %(message)s", level=logging.WARNING)
-    args = _parser().parse_args(argv)
+    parser = _parser()
+    args, rest = parser.parse_known_args(argv)
     if args.command in ("bench", "simulate"):
         _raise_on_signals()  # long work of their own, whose `finally` blocks must run
     if args.command == "bench":
-        from corun.bench.suite import run as bench
-
-        return bench(args)
+        return _bench(rest)
+    if rest:
+        parser.error(f"unrecognized arguments: {' '.join(rest)}")
     try:
         if args.command == "recipes":
             return _recipes(args.action, getattr(args, "name", ""), getattr(args, "dest", "."))
@@ -146,6 +148,20 @@ def main(argv: list[str] | None = None) -> int:
         return EXIT_USAGE
     except KeyboardInterrupt:  # before the run's own handler was installed
         return _SIGNAL_EXIT["SIGINT"]
+
+
+def _bench(argv: list[str]) -> int:
+    """``corun bench ARGS``: the module the ``corun.bench`` entry point names (the
+    benchmarks package's suite.py) parses them and runs its suites."""
+    found = entry_points(group=BENCH_ENTRY_POINTS, name="suites")
+    if not found:
+        print("corun: error: no benchmark suites installed (entry point group "
+              f"{BENCH_ENTRY_POINTS!r}); reinstall corun", file=sys.stderr)  # fmt: skip
+        return EXIT_USAGE
+    suites = next(iter(found)).load()
+    parser = _Parser(prog="corun bench", description=BENCH_TEXT)
+    suites.add_arguments(parser)
+    return int(suites.run(parser.parse_args(argv)))
 
 
 def _check_config(config: str) -> None:

@@ -1,6 +1,8 @@
 """The recipes corun ships: ready-to-run TOML configs, found by name.
 
-``corun train grpo`` trains this folder's ``grpo.toml``: a bare name that is not a file
+The recipes are the files of the checkout's top-level configs/ folder; ``configs`` here
+links to it, and a wheel carries them as this package's ``configs/`` (one copy, built
+from that link). ``corun train grpo`` trains ``configs/grpo.toml``: a bare name that is not a file
 where corun runs names a recipe (``grpo`` or ``grpo.toml``); a path is read as it is.
 A recipe names the run it starts from by recipe name too (``init_from =
 "sft_warmup.toml"``), so a recipe copied out to edit (``corun recipes copy grpo``)
@@ -14,7 +16,7 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
-FOLDER = Path(__file__).resolve().parent
+FOLDER = (Path(__file__).parent / "configs").resolve()  # configs/ in a checkout
 SUFFIX = ".toml"
 
 

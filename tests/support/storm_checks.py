@@ -21,7 +21,7 @@ _COMMON = "loop.lane_threads=1 log.progress=off loop.save_interval=4 loop.eval_i
 @dataclass(frozen=True)
 class Case:
     name: str
-    config: str  # under corun/recipes/
+    config: str  # under configs/
     overrides: str  # space-separated
     steps: int = 60
     ci: bool = True  # in the CI-sized storm
@@ -29,7 +29,7 @@ class Case:
     accumulate: int = 1  # loop.accumulate of its config: saves fall on window starts
 
     def command(self, run_dir: Path, *extra: str) -> list[str]:
-        config = str(REPO / "corun" / "recipes" / self.config)
+        config = str(REPO / "configs" / self.config)
         settings = [*_COMMON.split(), *self.overrides.split(), f"run.steps={self.steps}"]
         return [*corun_command(), "train", config, *settings, f"run.dir={run_dir}", *extra]
 

@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from corun.bench.quiet import OtherLoad
+from benchmarks.quiet import OtherLoad
 
 Note = Callable[[str], None]  # a suite's line of progress
 
@@ -41,7 +41,7 @@ def fmt(value: float, digits: int = 2) -> str:
 
 class LoadWatch:
     """The 1-minute load average sampled every second from :meth:`start` to :meth:`stop`,
-    and how many CPUs other processes kept busy meanwhile (corun/bench/quiet.py)."""
+    and how many CPUs other processes kept busy meanwhile (benchmarks/quiet.py)."""
 
     def __init__(self) -> None:
         self.samples: list[float] = []

@@ -3,9 +3,9 @@ the ``hf_grpo`` trainer loads it): generation throughput, weight-sync time, and 
 template's share of a GRPO step. The ``engines`` suite of ``corun bench``, and a
 program of its own::
 
-    python -m corun.bench.engines                       # all three engines, ~80 s on 2 CPUs
-    python -m corun.bench.engines --engines local,vllm  # without the server's 25-45 s start
-    python -m corun.bench.engines --quick --json out.json  # a smoke run (the test's), ~60 s
+    python -m benchmarks.engines                       # all three engines, ~80 s on 2 CPUs
+    python -m benchmarks.engines --engines local,vllm  # without the server's 25-45 s start
+    python -m benchmarks.engines --quick --json out.json  # a smoke run (the test's), ~60 s
 
 The engines are ``trainer.engine``'s values: ``local`` (transformers, in process),
 ``vllm`` (in process) and ``vllm-server`` (a child process group, over HTTP).
@@ -19,7 +19,7 @@ The engines are ``trainer.engine``'s values: ``local`` (transformers, in process
    threads than cores stop spin-waiting (vLLM alone in a process: up to 10x slower).
 2. **Weight sync** (ms): ``update_weights`` with the policy's state dict after an
    untimed one; medians, engines rotated as above. Start-up time beside.
-3. **GRPO step** with ``engine = "vllm"``: the template's share (corun/bench/grpo_step.py).
+3. **GRPO step** with ``engine = "vllm"``: the template's share (benchmarks/grpo_step.py).
 
 The server starts first, while the environment is the user's (in-process vLLM sets
 ``VLLM_*``). SIGINT or SIGTERM cancels everything (a second ends the process): the
@@ -45,10 +45,10 @@ import anyio
 import msgspec
 import torch
 
-from corun.bench import grpo_step
-from corun.bench.quiet import OtherLoad, rotated
-from corun.bench.report import Note, Table, fmt, markdown_table
-from corun.bench.setup import set_up
+from benchmarks import grpo_step
+from benchmarks.quiet import OtherLoad, rotated
+from benchmarks.report import Note, Table, fmt, markdown_table
+from benchmarks.setup import set_up
 from corun.contract.config_file import config_from_dict
 from corun.contract.engine import Engine, Sampling
 from corun.engines.options import VLLMConfig

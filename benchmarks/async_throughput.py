@@ -2,10 +2,10 @@
 free-running vs fixed version schedule, and on the real small model (the grpo recipe
 vs grpo_async): the ``async`` suite of ``corun bench``, and a program of its own::
 
-    python -m corun.bench.async_throughput            # the fake grids, a few minutes
-    python -m corun.bench.async_throughput --quick    # a smoke run of the grids
-    python -m corun.bench.async_throughput --real     # + the real GRPO comparison
-    python -m corun.bench.async_throughput --real-only
+    python -m benchmarks.async_throughput            # the fake grids, a few minutes
+    python -m benchmarks.async_throughput --quick    # a smoke run of the grids
+    python -m benchmarks.async_throughput --real     # + the real GRPO comparison
+    python -m benchmarks.async_throughput --real-only
 
 A fake trainer whose ``rollout`` and ``train_step`` only sleep (``async def``, so no
 compute and no threads) runs through the real template. With generation taking
@@ -35,9 +35,9 @@ from typing import Any
 
 import anyio
 
+from benchmarks import time_to_reward
+from benchmarks.report import Note, Table, fmt
 from corun.base.config import TrainerConfig
-from corun.bench import time_to_reward
-from corun.bench.report import Note, Table, fmt
 from corun.contract.config_file import config_from_dict
 from corun.contract.trainer import Batch, RolloutContext, Trainer
 from corun.loop.template import run

@@ -87,11 +87,11 @@ class Guarded:
 
 
 def in_fresh_interpreter(module: str, request: Request, *options: str) -> Any:
-    """``python -m corun.bench.<module> [OPTIONS] --measure REQUEST`` in a new interpreter:
+    """``python -m benchmarks.<module> [OPTIONS] --measure REQUEST`` in a new interpreter:
     the JSON of its last line of stdout. With a ``tree`` in the request, that checkout's
-    module and corun (on PYTHONPATH, for before/after comparisons; a checkout from before
-    corun/bench/ has the module in benchmarks/)."""
-    env, package, tree = dict(os.environ), "corun.bench", request.get("tree")
+    module and corun (on PYTHONPATH, for before/after comparisons; a checkout from when the
+    suites lived in corun/bench/ has the module there)."""
+    env, package, tree = dict(os.environ), "benchmarks", request.get("tree")
     env.update(request.get("env", {}))  # e.g. OMP_WAIT_POLICY, read when torch loads
     if tree is not None:
         env["PYTHONPATH"] = tree

@@ -4,7 +4,7 @@ child process on a config built here. Each step interval (``t`` of the ``step``
 events) against the hooks in it (``metrics.jsonl``: the last step's sync, this step's
 rollout and train); the rest is the template's share. The rollout splits into
 generate, reward and the trainer's own code (prompts, batch). Part of
-``python -m corun.bench.engines`` (corun/bench/engines.py).
+``python -m benchmarks.engines`` (benchmarks/engines.py).
 """
 
 from __future__ import annotations
@@ -19,8 +19,8 @@ from pathlib import Path
 
 import anyio
 
+from benchmarks.report import Note
 from corun.base.config import to_toml
-from corun.bench.report import Note
 from corun.contract.config_file import config_from_dict
 from corun.execution.procs import ChildProcess
 from corun.records.events import EVENTS_FILE, METRICS_FILE, read_records

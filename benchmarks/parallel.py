@@ -4,9 +4,9 @@ sync of full weights against a LoRA adapter's. Real ``corun train`` processes on
 Llama of trainers/hf/tiny.py's shape (random weights; the full grid's 53M parameters).
 The ``parallel`` suite of ``corun bench``, and a program of its own::
 
-    python -m corun.bench.parallel                # ~4-5 min on 2 quiet CPUs
-    python -m corun.bench.parallel --quick        # a 7M-parameter model
-    python -m corun.bench.parallel --grid tiny --json out.json   # the test's, ~1 min
+    python -m benchmarks.parallel                # ~4-5 min on 2 quiet CPUs
+    python -m benchmarks.parallel --quick        # a 7M-parameter model
+    python -m benchmarks.parallel --grid tiny --json out.json   # the test's, ~1 min
 
 1. **Memory and step time** (``hf_sft``, the same global batch in every run). A rank's
    peak memory is its resident set's high-water mark (``VmHWM``, /proc/<pid>/status),
@@ -29,7 +29,7 @@ The ``parallel`` suite of ``corun bench``, and a program of its own::
 
 Nothing is asserted; ratios are against the 1-rank run and the full-weight sync of the
 same bench run. Times want a quiet machine (the tables say how busy the rest of it was:
-corun/bench/quiet.py); memory does not.
+benchmarks/quiet.py); memory does not.
 """
 
 from __future__ import annotations
@@ -48,8 +48,8 @@ from typing import Any
 import tomli_w
 import torch
 
-from corun.bench.quiet import BUSY_CPUS, OtherLoad
-from corun.bench.report import Note, Table, fmt, markdown_table
+from benchmarks.quiet import BUSY_CPUS, OtherLoad
+from benchmarks.report import Note, Table, fmt, markdown_table
 from corun.records.checkpoint import TENSORS_FILE, latest
 from corun.records.events import EVENTS_FILE, METRICS_FILE, read_records
 

@@ -1,8 +1,8 @@
 """What the loop template costs per step, and what it adds to a real SFT step: the
 ``overhead`` suite of ``corun bench``, and a program of its own::
 
-    python -m corun.bench.overhead            # full: under 3 minutes on 2 idle cores
-    python -m corun.bench.overhead --quick    # smoke mode: about 20 s (--json PATH: figures)
+    python -m benchmarks.overhead            # full: under 3 minutes on 2 idle cores
+    python -m benchmarks.overhead --quick    # smoke mode: about 20 s (--json PATH: figures)
 
 Each on asyncio and trio, with ``loop.compute`` = ``thread`` and ``inline``:
 
@@ -24,7 +24,7 @@ Each SFT measurement runs in a fresh interpreter (``--measure``): libgomp keeps 
 OpenMP thread team per OS thread that ran a parallel op, and two live teams with more
 threads than cores slow every parallel region (thread compute after a plain loop in
 one process: ~50-70 % slower on 2 cores; ``--in-process`` shows it). A measurement
-other processes disturbed is repeated (corun/bench/quiet.py; not in ``--quick``).
+other processes disturbed is repeated (benchmarks/quiet.py; not in ``--quick``).
 """
 
 from __future__ import annotations
@@ -47,11 +47,11 @@ import anyio
 import msgspec
 import torch
 
+from benchmarks import quiet
+from benchmarks.quiet import BUSY_CPUS, Guarded, Measure, OtherLoad, Request
+from benchmarks.report import Note, Table, fmt, markdown_table
 from corun.base.config import Config, TrainerConfig
 from corun.base.rng import rollout_generator, seed_everything
-from corun.bench import quiet
-from corun.bench.quiet import BUSY_CPUS, Guarded, Measure, OtherLoad, Request
-from corun.bench.report import Note, Table, fmt, markdown_table
 from corun.contract.config_file import config_from_dict
 from corun.contract.registry import resolve_trainer
 from corun.contract.trainer import Batch, Part, RolloutContext, SetupContext, Trainer

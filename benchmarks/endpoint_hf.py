@@ -4,9 +4,9 @@
 (``local``) and on vLLM in process (``vllm``). The ``endpoint_hf`` suite of ``corun
 bench``, and a program of its own::
 
-    python -m corun.bench.endpoint_hf                     # local and vllm, ~4 min on 2 CPUs
-    python -m corun.bench.endpoint_hf --engines vllm      # one engine
-    python -m corun.bench.endpoint_hf --quick --json out.json  # local only, ~25 s (the test's)
+    python -m benchmarks.endpoint_hf                     # local and vllm, ~4 min on 2 CPUs
+    python -m benchmarks.endpoint_hf --engines vllm      # one engine
+    python -m benchmarks.endpoint_hf --quick --json out.json  # local only, ~25 s (the test's)
 
 1. **Load**: 1, 8 and 32 agents at once, each holding multi-turn chat conversations
    (``TURNS`` turns: a user question, the reply sent back with a follow-up, ...;
@@ -60,10 +60,10 @@ import torch
 from anyio.abc import Process
 from anyio.streams.buffered import BufferedByteReceiveStream
 
+from benchmarks.quiet import OtherLoad
+from benchmarks.report import Note, Table, fmt, markdown_table
+from benchmarks.setup import set_up
 from corun.base.config import ServeConfig
-from corun.bench.quiet import OtherLoad
-from corun.bench.report import Note, Table, fmt, markdown_table
-from corun.bench.setup import set_up
 from corun.contract.config_file import config_from_dict
 from corun.execution.compute import Lane
 from corun.serve.server import Endpoint
@@ -260,7 +260,7 @@ async def keep_requesting(http: httpx.AsyncClient, agents: int) -> Any:
 
 
 class Agents:
-    """The parent's end of the agents' process (``python -m corun.bench.endpoint_hf
+    """The parent's end of the agents' process (``python -m benchmarks.endpoint_hf
     --agents URL``). Their own process, as real agents are: in the endpoint's, their
     clients share its event loop and GIL with the engine's generating thread, and their
     requests trickle in (measured: 32 agents on the local engine got 2-4 requests a
@@ -275,7 +275,7 @@ class Agents:
     @classmethod
     @asynccontextmanager
     async def start(cls, url: str) -> AsyncIterator[Agents]:
-        command = [sys.executable, "-m", "corun.bench.endpoint_hf", "--agents", url]
+        command = [sys.executable, "-m", "benchmarks.endpoint_hf", "--agents", url]
         async with await anyio.open_process(command, stderr=None) as process:
             agents = cls(process)
             try:
@@ -403,7 +403,7 @@ def pause_row(
 async def measure(settings: Settings) -> tuple[list[LoadRow], list[SyncRow]]:
     """Every engine of ``settings`` in turn (the server first, while the environment is
     the user's: in-process vLLM sets ``VLLM_*``); KeyboardInterrupt after SIGINT or
-    SIGTERM cancelled it (an anyio cancellation: see corun/bench/engines.py)."""
+    SIGTERM cancelled it (an anyio cancellation: see benchmarks/engines.py)."""
     loads: list[LoadRow] = []
     pauses: list[SyncRow] = []
     done = False

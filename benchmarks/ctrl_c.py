@@ -18,7 +18,7 @@ import sys
 import time
 from pathlib import Path
 
-from corun.bench.report import Note, Table, fmt
+from benchmarks.report import Note, Table, fmt
 from corun.recipes import names
 
 GRIDS = {"full": (5, 40), "quick": (1, 5), "tiny": (1, 3)}  # repeats, steps before SIGINT

@@ -6,8 +6,8 @@ store), and the time to publish weights (``ray.put`` of the state vs the in-proc
 TinyLM (the ``grpo`` trainer, through the registry). One local Ray cluster (1 actor),
 every figure a ratio measured in this run::
 
-    python -m corun.bench.ray_workers            # ~1 minute
-    python -m corun.bench.ray_workers --quick    # the tiny model, fewer batches
+    python -m benchmarks.ray_workers            # ~1 minute
+    python -m benchmarks.ray_workers --quick    # the tiny model, fewer batches
 
 Nothing is asserted: timings belong in benchmarks. Measure on a quiet machine.
 """

@@ -4,8 +4,8 @@ process (the ``agentic`` trainer's served calculator policy, TinyLM d_model 128,
 10-token replies at temperature 1, batching window 2 ms). The ``endpoint`` suite of
 ``corun bench``, and a program of its own::
 
-    python -m corun.bench.endpoint            # about a minute
-    python -m corun.bench.endpoint --quick
+    python -m benchmarks.endpoint            # about a minute
+    python -m benchmarks.endpoint --quick
 
 Nothing is asserted: timings belong in benchmarks. Measure on a quiet machine.
 """
@@ -22,8 +22,8 @@ import anyio
 import httpx
 import torch
 
+from benchmarks.report import Note, Table, fmt
 from corun.base.config import ServeConfig
-from corun.bench.report import Note, Table, fmt
 from corun.contract.config_file import config_from_dict
 from corun.contract.policy import Sampling, ServedPolicy
 from corun.contract.registry import resolve_trainer

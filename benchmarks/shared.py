@@ -13,8 +13,8 @@ import subprocess
 import sys
 from pathlib import Path
 
-from corun.bench import overhead
-from corun.bench.report import Note, Table, fmt
+from benchmarks import overhead
+from benchmarks.report import Note, Table, fmt
 
 GRIDS = {"full": 80, "quick": 20, "tiny": 5}  # steps
 # label, what, compute, loop.lane_threads, loop.adapt_threads, OMP_WAIT_POLICY

@@ -6,8 +6,8 @@ made as the server makes its own). The built-in tiny Llama, rank-8 LoRA adapters
 seeded alike on both sides, the same data and sampling seeds. The ``tinker`` suite of
 ``corun bench``, and a program of its own::
 
-    python -m corun.bench.tinker                        # ~70 s on 2 CPUs
-    python -m corun.bench.tinker --quick --json out.json  # ~30 s (the test's)
+    python -m benchmarks.tinker                        # ~70 s on 2 CPUs
+    python -m benchmarks.tinker --quick --json out.json  # ~30 s (the test's)
 
 The calls, each timed on its own, in rounds that alternate which side goes first:
 ``forward_backward`` (cross_entropy) of 1 and 8 sequences of 64 tokens, ``optim_step``
@@ -47,10 +47,10 @@ from typing import TYPE_CHECKING
 import torch
 from anyio.from_thread import start_blocking_portal
 
+from benchmarks.quiet import OtherLoad
+from benchmarks.report import Note, Table, fmt, markdown_table
+from benchmarks.setup import set_up
 from corun.base.config import Config
-from corun.bench.quiet import OtherLoad
-from corun.bench.report import Note, Table, fmt, markdown_table
-from corun.bench.setup import set_up
 from corun.contract.config_file import load_config
 from corun.contract.engine import Sampling
 from corun.contract.training_api import AdamStep, Datum, LoraShape, TrainingBackend
@@ -62,7 +62,7 @@ if TYPE_CHECKING:
     import tinker
     from tinker import types
 
-RECIPE = "tinker"  # corun/recipes/tinker.toml: hf_sft on the built-in tiny Llama
+RECIPE = "tinker"  # configs/tinker.toml: hf_sft on the built-in tiny Llama
 BASE_MODEL = "tiny-llama"
 API_KEY = "tml-corun-bench"  # any tml- key
 RANK, SEED, LEARNING_RATE = 8, 0, 1e-4

@@ -4,8 +4,8 @@ step spent in collectives (the gradient, token-count and metrics all-reduces).
 
 ::
 
-    python -m corun.bench.distributed            # 40 steps per run
-    python -m corun.bench.distributed --quick    # 6 steps per run, a smoke test
+    python -m benchmarks.distributed            # 40 steps per run
+    python -m benchmarks.distributed --quick    # 6 steps per run, a smoke test
 
 Each run is a real ``corun train`` subprocess; steps/s is measured between the first
 and the last ``step`` event (process start, torch import and rendezvous left out).

@@ -6,7 +6,7 @@ in a run directory (default ``runs/bench-<timestamp>/``).
 
 Here are the one registry of suites and the one argument parser: corun/host/cli.py
 builds ``corun bench`` from :func:`add_arguments` and calls :func:`run`; ``python -m
-corun.bench`` does the same. A suite is ``suite(grid, scratch, note) -> list[Table]``
+benchmarks`` does the same. A suite is ``suite(grid, scratch, note) -> list[Table]``
 in its topic's module: ``grid`` is "full", "quick" or "tiny" (the test's), ``scratch``
 a folder for run directories, ``note`` shows a line of progress. Its imports (torch,
 transformers, vLLM) wait until it runs: building the parser imports none of them.
@@ -29,10 +29,10 @@ from typing import TYPE_CHECKING, cast
 if TYPE_CHECKING:
     from rich.progress import Progress, TaskID
 
-    from corun.bench.report import Note, Results, Table
+    from benchmarks.report import Note, Results, Table
 
 Suite = Callable[[str, Path, "Note"], "list[Table]"]
-SUITES = {  # name: the module (corun/bench/<module>.py) whose `suite` it is
+SUITES = {  # name: the module (benchmarks/<module>.py) whose `suite` it is
     "overhead": "overhead",
     "async": "async_throughput",
     "time_to_reward": "time_to_reward",
@@ -64,7 +64,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def suite(name: str) -> Suite:
     """The registered suite ``name``, its module imported now."""
-    module = importlib.import_module(f"corun.bench.{SUITES[name]}")
+    module = importlib.import_module(f"benchmarks.{SUITES[name]}")
     return cast(Suite, module.suite)
 
 
@@ -86,7 +86,7 @@ def run(args: argparse.Namespace) -> int:
     out.mkdir(parents=True, exist_ok=True)
     out = out.resolve()
     os.environ["WANDB_MODE"] = "disabled"  # whatever a recipe the suites train says
-    from corun.bench.report import machine, write_report  # torch
+    from benchmarks.report import machine, write_report  # torch
 
     if signal.getsignal(signal.SIGINT) is not signal.SIG_IGN:
         signal.signal(signal.SIGINT, _interrupt)
@@ -105,7 +105,7 @@ def run(args: argparse.Namespace) -> int:
 def _run_suites(names: list[str], grid: str, out: Path) -> tuple[Results, dict[str, str]]:
     """Each suite in turn, its tables and its load, or why it failed; its plots in
     ``out``. Ctrl-C stops at the suite it interrupts."""
-    from corun.bench.report import LoadWatch, plot
+    from benchmarks.report import LoadWatch, plot
 
     results: Results = {}
     failures: dict[str, str] = {}

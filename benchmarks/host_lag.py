@@ -1,11 +1,11 @@
 """Event-loop lag a host service sees while corun trains inside it: the ``host_lag``
 suite of ``corun bench``, and a program of its own::
 
-    python -m corun.bench.host_lag                  # asyncio and trio: about a minute
-    python -m corun.bench.host_lag --quick          # smoke mode: 20 steps
-    python -m corun.bench.host_lag --inline         # + loop.compute = "inline" (blocks)
-    python -m corun.bench.host_lag --explain        # where each wake-up > 5 ms late came from
-    python -m corun.bench.host_lag --against TREE   # + another checkout, interleaved
+    python -m benchmarks.host_lag                  # asyncio and trio: about a minute
+    python -m benchmarks.host_lag --quick          # smoke mode: 20 steps
+    python -m benchmarks.host_lag --inline         # + loop.compute = "inline" (blocks)
+    python -m benchmarks.host_lag --explain        # where each wake-up > 5 ms late came from
+    python -m benchmarks.host_lag --against TREE   # + another checkout, interleaved
 
 A host task sleeps 1 ms in a loop and records how late each wake-up is: idle (3 s),
 then while ``corun.run`` trains the ``sft`` recipe (300 steps, eval and a save every
@@ -49,8 +49,8 @@ from typing import Any
 
 import anyio
 
-from corun.bench.quiet import BUSY_CPUS, RETRY_PAUSE_S, OtherLoad, Request, in_fresh_interpreter
-from corun.bench.report import Note, Table, fmt
+from benchmarks.quiet import BUSY_CPUS, RETRY_PAUSE_S, OtherLoad, Request, in_fresh_interpreter
+from benchmarks.report import Note, Table, fmt
 from corun.contract.config_file import load_config
 from corun.contract.registry import resolve_trainer
 from corun.loop.teardown import RunControl

@@ -4,9 +4,9 @@ against ``grpo_async`` (same task, model, batch and seed), and ``agentic`` again
 recipes' long tail: one call in twenty takes ten times as long). The
 ``time_to_reward`` suite of ``corun bench``, and a program of its own::
 
-    python -m corun.bench.time_to_reward --task grpo       # 300 steps each
-    python -m corun.bench.time_to_reward --task agentic    # latencies 0, 25, 100 ms: ~5 min
-    python -m corun.bench.time_to_reward --quick           # both, fewer steps
+    python -m benchmarks.time_to_reward --task grpo       # 300 steps each
+    python -m benchmarks.time_to_reward --task agentic    # latencies 0, 25, 100 ms: ~5 min
+    python -m benchmarks.time_to_reward --quick           # both, fewer steps
 
 Printed: wall time per step (median), training wall time (after the warm start and
 the baseline eval), and the wall time each run took to first reach the same held-out
@@ -27,7 +27,7 @@ from itertools import pairwise
 from pathlib import Path
 from typing import Any
 
-from corun.bench.report import Note, Table, fmt
+from benchmarks.report import Note, Table, fmt
 from corun.records.events import EVENTS_FILE, read_records
 
 GRPO = ("grpo", "grpo_async")  # recipes: sync, async
