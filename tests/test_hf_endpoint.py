@@ -57,7 +57,8 @@ CALLED: list[Any] = [*ASK, {"role": "assistant", "content": None, "tool_calls": 
 
 
 class Scripted(EngineWrapper):
-    """Answers every prompt with ``ids`` (a test's scripted reply)."""
+    """Answers every prompt with ``ids`` (a test's scripted reply); asked for top
+    log-probs, each position's alternatives are its own token and the one after it."""
 
     def __init__(self, inner: Engine, ids: list[int]) -> None:
         super().__init__(inner)
@@ -67,12 +68,16 @@ class Scripted(EngineWrapper):
         self, prompts: Sequence[Sequence[int]], sampling: Sampling, seed: int
     ) -> list[Generation]:
         n = len(self.ids)
-        return [Generation(list(self.ids), [-0.5] * n, [0] * n, "stop") for _ in prompts]
+        top = None
+        if sampling.top_logprobs:
+            after = [*self.ids[1:], 0]
+            top = [[(i, -0.5), (j, -1.5)] for i, j in zip(self.ids, after, strict=True)]
+        return [Generation(list(self.ids), [-0.5] * n, [0] * n, "stop", top) for _ in prompts]
 
 
 @asynccontextmanager
 async def serving(
-    scripted: list[int] | None = None,
+    scripted: list[int] | None = None, token: str = ""
 ) -> AsyncIterator[tuple[str, EpisodeInbox, ChatTemplate]]:
     policy, tokenizer = load_policy("tiny-llama", "test")
     template = ChatTemplate(tokenizer)
@@ -83,7 +88,7 @@ async def serving(
         engine = Scripted(engine, scripted)
     served = EnginePolicy(MODEL, engine, template, 256, {0: "weights-0"}, continuous_batching=False)
     inbox, lane = EpisodeInbox(), Lane("serve")
-    endpoint = Endpoint(served, ServeConfig(enabled=True), lane, inbox)
+    endpoint = Endpoint(served, ServeConfig(enabled=True, token=token), lane, inbox)
     try:
         async with endpoint.running() as url:
             yield url, inbox, template

@@ -146,6 +146,39 @@ class ChatTemplate:
     def token(self, token_id: int) -> str:
         return str(self.tokenizer.decode([token_id]))
 
+    def token_bytes(self, token_id: int) -> bytes:
+        """The token's own bytes: its text's, unless it holds part of a character (its
+        text alone is U+FFFD); then the bytes its vocabulary entry stands for."""
+        text = self.token(token_id)
+        if "\ufffd" not in text:
+            return text.encode()
+        raw = vocabulary_bytes(str(self.tokenizer.convert_ids_to_tokens(token_id)))
+        return text.encode() if raw is None else raw
+
+
+def vocabulary_bytes(entry: str) -> bytes | None:
+    """The bytes a vocabulary entry stands for, in the two encodings that split a
+    character over tokens: SentencePiece's byte fallback (``<0xE2>``) and byte-level
+    BPE, which writes each byte as one printable character (GPT-2's alphabet); None for
+    an entry in neither."""
+    fallback = re.fullmatch(r"<0x([0-9A-Fa-f]{2})>", entry)
+    if fallback:
+        return bytes([int(fallback[1], 16)])
+    if entry and all(char in _BYTE_LEVEL for char in entry):
+        return bytes(_BYTE_LEVEL[char] for char in entry)
+    return None
+
+
+def _byte_level_alphabet() -> dict[str, int]:
+    """Byte-level BPE's alphabet, character to byte: the printable Latin-1 bytes stand
+    for themselves, and the others, in order, for the characters from U+0100 on."""
+    printable = [*range(0x21, 0x7F), *range(0xA1, 0xAD), *range(0xAE, 0x100)]
+    others = [byte for byte in range(256) if byte not in printable]
+    return {chr(b): b for b in printable} | {chr(0x100 + n): b for n, b in enumerate(others)}
+
+
+_BYTE_LEVEL = _byte_level_alphabet()
+
 
 def configured_stop_ids(model_dir: str | Path) -> tuple[int, ...]:
     """The end-of-sequence ids a model directory's ``generation_config.json`` lists."""

@@ -53,6 +53,9 @@ class EnginePolicy:
     def token(self, token_id: int) -> str:
         return self.template.token(token_id)
 
+    def token_bytes(self, token_id: int) -> bytes:
+        return self.template.token_bytes(token_id)
+
     def reply(self, ids: Sequence[int], tools: Sequence[str]) -> Reply:
         return self.template.parse(ids, tools)
 

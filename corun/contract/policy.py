@@ -234,6 +234,11 @@ class ServedPolicy(Protocol):
         """One token's text (for per-token log-probs)."""
         ...
 
+    def token_bytes(self, token_id: int) -> bytes:
+        """One token's own UTF-8 bytes (per-token log-probs' ``bytes``): part of a
+        character where the token holds part of one, never U+FFFD's bytes in its place."""
+        ...
+
     def reply(self, ids: Sequence[int], tools: Sequence[str]) -> Reply:
         """The reply of a generation: text, or tool calls (of ``tools`` offered)."""
         ...

@@ -54,6 +54,7 @@ from corun.serve.capture import Recorder
 S = TypeVar("S")
 Handler = Callable[[Request], Awaitable[Any]]
 MAX_BODY = 1 << 20  # bytes
+MAX_DRAINED = 64 << 20  # bytes of a refused body read before the 413 (see _decode)
 
 
 def build_app(policy: ServedPolicy, batcher: Batcher, recorder: Recorder, token: str) -> Starlette:
@@ -187,23 +188,32 @@ class _Api:
     def _shown(self, index: int, choice: _Choice, logprobs: bool) -> dict[str, Any]:
         """A choice of a chat response."""
         message = choice.message
-        shown: dict[str, Any] = {"role": "assistant", "content": message.content}
+        # `refusal` is required by the API's schema; corun's policies never refuse.
+        shown: dict[str, Any] = {"role": "assistant", "content": message.content, "refusal": None}
         if message.tool_calls:
             shown["tool_calls"] = msgspec.to_builtins(message.tool_calls)
         done = choice.completion
         return {"index": index, "message": shown, "finish_reason": choice.finish,
-                "logprobs": {"content": self._logprobs(done)} if logprobs else None,
+                "logprobs": _logprobs_object(self._logprobs(done)) if logprobs else None,
                 "token_ids": done.ids}  # fmt: skip
 
     def _logprobs(self, done: Completion) -> list[dict[str, Any]]:
         """Per-token log-probs, each with its most likely alternatives (when asked)."""
         tops = done.top if done.top is not None else [[] for _ in done.ids]
         return [
-            _token_logprob(self.policy.token(i), lp) | {"top_logprobs": [
-                _token_logprob(self.policy.token(j), top_lp) for j, top_lp in top
+            self._token_logprob(i, lp) | {"top_logprobs": [
+                self._token_logprob(j, top_lp) for j, top_lp in top
             ]}
             for i, lp, top in zip(done.ids, done.logprobs, tops, strict=True)
         ]  # fmt: skip
+
+    def _token_logprob(self, token_id: int, logprob: float) -> dict[str, Any]:
+        """A token's log-prob entry: ``bytes`` are the token's own bytes, part of a
+        character where it holds part of one (its ``token`` text then shows U+FFFD), so
+        a client rebuilds text split over tokens from them."""
+        token_bytes = self.policy.token_bytes(token_id)
+        return {"token": self.policy.token(token_id), "logprob": logprob,
+                "bytes": list(token_bytes)}  # fmt: skip
 
     def _chunks(
         self, response: dict[str, Any], shown: list[dict[str, Any]], choices: list[_Choice],
@@ -229,7 +239,7 @@ def _choice_chunks(
     chunks = []
 
     def chunk(delta: dict[str, Any], logprobs: Any = None, finish: str | None = None) -> None:
-        content = None if logprobs is None else {"content": logprobs}
+        content = None if logprobs is None else _logprobs_object(logprobs)
         sent = {"index": index, "delta": delta, "finish_reason": finish, "logprobs": content}
         chunks.append(head | {"choices": [sent]})
 
@@ -291,11 +301,18 @@ def _kept(done: Completion, n: int) -> Completion:
 
 
 async def _decode(request: Request, kind: type[S]) -> S:
-    body = b""
+    """The request's JSON body as ``kind``. A body over ``MAX_BODY`` is read to its end
+    (up to ``MAX_DRAINED``) before the 413: a server that answers while its client is
+    still sending, then closes, resets the connection, and the client gets no answer."""
+    body, size = bytearray(), 0
     async for chunk in request.stream():
-        body += chunk
-        if len(body) > MAX_BODY:
-            raise ServeError(413, f"request body over {MAX_BODY} bytes")
+        size += len(chunk)
+        if size <= MAX_BODY:
+            body += chunk
+        elif size > MAX_DRAINED:
+            break
+    if size > MAX_BODY:
+        raise ServeError(413, f"request body over {MAX_BODY} bytes")
     try:
         return msgspec.json.decode(body, type=kind)
     except msgspec.ValidationError as exc:
@@ -368,8 +385,9 @@ def _sampling(
     return Sampling(tokens, temperature, top_p, top_logprobs)
 
 
-def _token_logprob(token: str, logprob: float) -> dict[str, Any]:
-    return {"token": token, "logprob": logprob, "bytes": list(token.encode())}
+def _logprobs_object(content: list[dict[str, Any]]) -> dict[str, Any]:
+    """A choice's ``logprobs``: the content's tokens (the schema requires ``refusal``)."""
+    return {"content": content, "refusal": None}
 
 
 def _envelope(

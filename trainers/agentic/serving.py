@@ -76,6 +76,9 @@ class CalculatorPolicy:
     def token(self, token_id: int) -> str:
         return calculator.VOCABULARY.tokens[token_id]
 
+    def token_bytes(self, token_id: int) -> bytes:
+        return self.token(token_id).encode()
+
     def reply(self, ids: Sequence[int], tools: Sequence[str]) -> Reply:
         text = calculator.decode(ids)
         call = calculator.CALL.fullmatch(text)
