@@ -15,7 +15,7 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 
 
-@pytest.mark.long  # minutes in CI: `pytest -m long` (docs/testing.md)
+@pytest.mark.slow
 def test_overhead_benchmark_quick(tmp_path: Path) -> None:
     out = tmp_path / "figures.json"
     result = subprocess.run(
@@ -41,7 +41,7 @@ def test_async_throughput_benchmark_quick() -> None:
     assert {row[1] for row in rows} == {"sync", "start", "completion", "fixed"}
 
 
-@pytest.mark.long  # minutes in CI: `pytest -m long` (docs/testing.md)
+@pytest.mark.slow
 def test_engines_benchmark_quick(tmp_path: Path) -> None:
     """All three engines and the GRPO breakdown, end to end; no process of the run is
     left behind (the server is a process group, the GRPO run a child)."""
@@ -69,7 +69,7 @@ def _processes_with(entry: bytes) -> list[int]:
 
 
 @pytest.mark.slow
-@pytest.mark.long  # minutes in CI: `pytest -m long` (docs/testing.md)
+@pytest.mark.slow
 def test_ray_workers_benchmark_quick(tmp_path: Path) -> None:
     """Ray vs thread rollout workers: per-batch overhead and weight-publish time,
     printed as ratios of one run; the local Ray it starts leaves no process behind."""
@@ -95,7 +95,7 @@ def _quick_benchmark(name: str, tmp_path: Path, timeout: float) -> tuple[str, An
 
 
 @pytest.mark.slow
-@pytest.mark.long  # minutes in CI: `pytest -m long` (docs/testing.md)
+@pytest.mark.slow
 def test_distributed_benchmark_quick(tmp_path: Path) -> None:
     """World size 1 vs 2 (torchrun, gloo): steps/s and collective time per step."""
     stdout, figures, _ = _quick_benchmark("distributed", tmp_path, timeout=300)
@@ -106,7 +106,7 @@ def test_distributed_benchmark_quick(tmp_path: Path) -> None:
 
 
 @pytest.mark.slow
-@pytest.mark.long  # minutes in CI: `pytest -m long` (docs/testing.md)
+@pytest.mark.slow
 def test_endpoint_hf_benchmark_quick(tmp_path: Path) -> None:
     """The endpoint on the built-in tiny model (local engine): every concurrency with
     and without capture, and requests during verified weight syncs."""
@@ -123,7 +123,7 @@ def test_endpoint_hf_benchmark_quick(tmp_path: Path) -> None:
 
 
 @pytest.mark.slow
-@pytest.mark.long  # minutes in CI: `pytest -m long` (docs/testing.md)
+@pytest.mark.slow
 def test_parallel_benchmark_tiny(tmp_path: Path) -> None:
     """hf_sft at 1 rank and at 2 under ddp and fsdp (real `corun train` processes, each
     rank's memory followed), hf_grpo's full-weight and LoRA syncs; no rank left behind."""

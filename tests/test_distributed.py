@@ -258,20 +258,10 @@ OTHER_KINDS: Kinds = {
 }
 
 
-# Each covered by a kind of its family in CI: TinyLM (sft, grpo above), agentic, hf
-# (hf_sft, hf_grpo), flow_grpo, pe, unified.
-LONG_KINDS = ("pe_warmup", "flow_pretrain", "ppo", "agentic_ppo", "hf_ppo", "unified_pretrain")
-
-
 @pytest.mark.slow
 @pytest.mark.anyio
 @pytest.mark.parametrize("anyio_backend", ["asyncio"])  # the 2-rank run is a subprocess
-@pytest.mark.parametrize(
-    "kind",
-    # Kinds whose family another kind here covers run with -m long (CI's budget).
-    [k if k not in LONG_KINDS else pytest.param(k, marks=pytest.mark.long)
-     for k in OTHER_KINDS],
-)  # fmt: skip
+@pytest.mark.parametrize("kind", list(OTHER_KINDS))
 async def test_every_other_kind_two_ranks_equal_one_process(
     tmp_path: Path, anyio_backend: str, kind: str
 ) -> None:

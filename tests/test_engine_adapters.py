@@ -209,7 +209,7 @@ async def assert_adapter_kept_in_flight(
 # ------------------------------------------------------------------ the vLLM server
 
 
-@pytest.mark.long  # a server start (~45 s); its adapter code is vllm_common's, run above
+@pytest.mark.slow  # a server start (~40 s)
 @pytest.mark.anyio
 async def test_vllm_server_serves_adapter_versions(
     model_dir: Any, policy: HFPolicy, chat: ChatFormat

@@ -46,14 +46,10 @@ pytestmark = pytest.mark.slow
 
 
 ALL_KINDS = {**KINDS, **OTHER_KINDS}  # test_distributed's: sft and grpo are TinyLM's
-# Each family in CI (an hf policy, a TinyLM, the unified model whose image track is a
-# FlowDiT entered directly); the other kinds with -m long (docs/testing.md).
-LONG = pytest.mark.long
-SHARDED_KINDS = [
-    "hf_sft", "hf_grpo", "grpo", "unified",
-    *(pytest.param(kind, marks=LONG) for kind in ("sft", "agentic_ppo", "flow_grpo", "pe",
-                                                   "pe_warmup", "flow_pretrain")),
-]  # fmt: skip
+# Every kind with a sharded model: hf policies, TinyLM, the agentic policy, FlowDiT, the
+# prompt enhancer and the unified model (whose image track is a FlowDiT entered directly).
+SHARDED_KINDS = ["hf_sft", "hf_grpo", "grpo", "unified", "sft", "agentic_ppo", "flow_grpo",
+                 "pe", "pe_warmup", "flow_pretrain"]  # fmt: skip
 # hf_grpo's updates: windows of 2 batches, clipped to a global norm they exceed (~1),
 # so accumulation and the clip over every shard count. (Mini-batches slice each rank's
 # shard, so one process's same-sized mini-batch holds other rows: not comparable.)

@@ -5,7 +5,7 @@ template's continuation, a demonstration is laid out as the runner lays out an
 episode, environments that fail or hang end only their episode); the SFT warm start
 then GRPO and PPO end to end on the transformers engine (behaviour log-probs recomputed
 exactly, so the masks and positions are right; every batch names the verified weights
-that sampled it); and learning from the warm start (long)."""
+that sampled it); and learning from the warm start."""
 
 from __future__ import annotations
 
@@ -315,7 +315,7 @@ async def test_agents_through_the_endpoint_train_it(tmp_path: Path, anyio_backen
 # ----------------------------------------------------------------------------- learning
 
 
-@pytest.mark.long
+@pytest.mark.slow
 @pytest.mark.parametrize("anyio_backend", ["asyncio"])
 @pytest.mark.anyio
 async def test_grpo_raises_held_out_success_from_the_warm_start(

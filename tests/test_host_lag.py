@@ -13,7 +13,7 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 
 
-@pytest.mark.long  # minutes in CI: `pytest -m long` (docs/testing.md)
+@pytest.mark.slow
 def test_host_lag_benchmark_quick(tmp_path: Path) -> None:
     out = tmp_path / "figures.json"
     result = subprocess.run(

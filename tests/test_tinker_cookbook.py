@@ -4,11 +4,10 @@ lowers its loss; ``math_rl`` on arithmetic (``importance_sampling``), after a sh
 ``chat_sl`` warm start loaded by ``load_checkpoint_path``, raises its reward. Either
 way the server then stops on SIGINT with exit 130 and nothing left listening.
 
-The SL test takes ~20 s. The RL test is ``long``: 75-95 s here (60 warm-start steps,
+The SL test takes ~20 s, the RL test 75-95 s here (60 warm-start steps,
 then 20 RL steps of 64 samples at ~3 s each, the sampling), and its reward rises only
 through the format bonus (an answer ending with "\\n\\nUser:" scores 0, else -0.1), a
-couple of points a step, so fewer steps would leave the rise within the noise. In CI
-the SL test covers the recipes' plumbing, tests/test_tinker.py the RL calls."""
+couple of points a step, so fewer steps would leave the rise within the noise."""
 
 from __future__ import annotations
 
@@ -61,7 +60,6 @@ def test_chat_sl_on_word_problems_lowers_the_loss(tmp_path: Path) -> None:
         stopped(server)
 
 
-@pytest.mark.long
 def test_math_rl_after_a_chat_sl_warm_start_raises_the_reward(tmp_path: Path) -> None:
     with tinker_server(tmp_path) as server:
         out = run_driver(server, tmp_path / "logs", "--task", "rl", "--steps", "20",

@@ -90,7 +90,6 @@ def test_the_wheel_trains_a_recipe_and_benches(venv: Path, tmp_path: Path) -> No
     assert (out / "host_lag-lag.png").read_bytes().startswith(PNG_MAGIC)
 
 
-@pytest.mark.long  # each suite also runs in-tree (test_bench, test_benchmarks): not in CI
 def test_the_wheel_runs_every_quick_suite(venv: Path, tmp_path: Path) -> None:
     """``corun bench --quick`` from the wheel: every suite (2 minutes on a quiet 2-core
     machine, 7 on a loaded one: the warm starts of time_to_reward are trained first)."""
