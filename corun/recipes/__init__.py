@@ -2,8 +2,9 @@
 
 The recipes are the files of the checkout's top-level configs/ folder; ``configs`` here
 links to it, and a wheel carries them as this package's ``configs/`` (one copy, built
-from that link). ``corun train grpo`` trains ``configs/grpo.toml``: a bare name that is not a file
-where corun runs names a recipe (``grpo`` or ``grpo.toml``); a path is read as it is.
+from that link). ``corun train grpo`` trains ``configs/grpo.toml``: a bare name that is
+not a file where corun runs names a recipe (``grpo`` or ``grpo.toml``); a path is read
+as it is.
 A recipe names the run it starts from by recipe name too (``init_from =
 "sft_warmup.toml"``), so a recipe copied out to edit (``corun recipes copy grpo``)
 still starts from the shipped warm start, unless a ``sft_warmup.toml`` of one's own
