@@ -113,6 +113,12 @@ class LoopConfig(Section, frozen=True, forbid_unknown_fields=True, kw_only=True)
     # four times a second). Faster beside busy processes when torch's threads spin, but
     # the same seed then gives weights that depend on the machine's load.
     adapt_threads: bool = False
+    # The learning rate over the run (corun/loop/schedule.py): "constant" leaves each
+    # optimizer's rate alone; "linear" and "cosine" decay it from its value, after
+    # lr_warmup updates of linear warm-up, to lr_final of it at the last update.
+    lr_schedule: Literal["constant", "linear", "cosine"] = "constant"
+    lr_warmup: NonNegativeInt = 0
+    lr_final: Annotated[float, msgspec.Meta(ge=0, le=1)] = 0.0
     # Steps between periodic evals / saves; 0 turns them off.
     eval_interval: NonNegativeInt = 0
     save_interval: NonNegativeInt = 0

@@ -10,7 +10,8 @@ One owner for what every gradient trainer would otherwise write again:
   backpropagated one at a time into the same gradients (memory), with cancel points
   between them;
 - before each step every registered optimizer's gradients are clipped to its
-  ``grad_clip`` (global norm);
+  ``grad_clip`` (global norm), and its rate set by ``loop.lr_schedule`` for the
+  update's number (corun/loop/schedule.py; ``train/lr`` when not constant);
 - under torchrun (world size > 1) each rank backpropagates its shard of the batch and
   the gradients are averaged over the ranks before clipping (DDP's semantics): by
   FSDP2 in backward for a model ``parallelize``d (corun/execution/parallel.py; its
@@ -40,10 +41,12 @@ from typing import Any
 import torch
 
 from corun.base.config import Config
+from corun.base.errors import ConfigError
 from corun.base.rng import update_generator
 from corun.contract.trainer import DEFAULT_OPTIMIZER, Batch, OptimizerSpec, Part, Trainer, overrides
 from corun.execution import distributed, parallel
 from corun.execution.compute import cancel_point
+from corun.loop.schedule import ScheduleName, apply_factor, lr_factor
 
 
 class Updater:
@@ -51,13 +54,15 @@ class Updater:
 
     def __init__(
         self, trainer: Trainer[Any], optimizers: Sequence[OptimizerSpec], *, window: int,
-        mini_batches: int, seed: int,
+        mini_batches: int, seed: int, schedule: ScheduleName = "constant", updates: int = 1,
+        warmup: int = 0, final: float = 0.0,
     ) -> None:  # fmt: skip
         self.trainer = trainer
         self.optimizers = list(optimizers)
         self.window = window
         self.mini_batches = mini_batches
         self.seed = seed
+        self.schedule, self.updates, self.warmup, self.final = schedule, updates, warmup, final
         self.prepares = overrides(trainer, "prepare")
         self.world = distributed.world()
         self.version = 0  # of the weights the current window's update starts from
@@ -71,17 +76,24 @@ class Updater:
     ) -> Updater | None:
         """The protocol around ``trainer``'s loss; None for a trainer that owns
         ``train_step`` (or has no loss)."""
+        loop = config.loop
         if overrides(trainer, "train_step") or not overrides(trainer, "loss"):
+            if loop.lr_schedule != "constant":
+                raise ConfigError(
+                    f"`$.loop.lr_schedule` = {loop.lr_schedule!r}: {type(trainer).__name__} "
+                    "steps its own optimizers (train_step), so the runtime cannot schedule them"
+                )
             return None
         if not optimizers:
             raise TypeError(
                 f"{type(trainer).__name__} defines a loss but registers no optimizer "
                 "(ctx.add_optimizer in setup)"
             )
-        loop = config.loop
         return cls(
             trainer, optimizers, window=loop.accumulate, mini_batches=loop.mini_batches,
-            seed=config.run.seed,
+            seed=config.run.seed, schedule=loop.lr_schedule,
+            updates=max(1, config.run.steps // loop.accumulate), warmup=loop.lr_warmup,
+            final=loop.lr_final,
         )  # fmt: skip
 
     def train(self, batch: Batch, window_pos: int, version: int = 0) -> dict[str, float]:
@@ -106,13 +118,13 @@ class Updater:
         # Nothing is applied yet: a stop here leaves the weights as they were.
         self._backward(batch, 0, generator, sums, cancellable=True)
         if window_pos == self.window - 1:
-            sums.norms(self._step())
+            self._step(sums)
             with distributed.uncancellable():  # a step has been applied
                 for mini in range(1, self.mini_batches):
                     self._zero_grad()
                     for pending, pending_generator in self._pending:
                         self._backward(pending, mini, pending_generator, sums, cancellable=False)
-                    sums.norms(self._step())
+                    self._step(sums)
             self._pending.clear()
         if not self.world.parallel:
             return sums.means()
@@ -141,18 +153,24 @@ class Updater:
         for spec in self.optimizers:
             spec.optimizer.zero_grad(set_to_none=True)
 
-    def _step(self) -> dict[str, float]:
-        """Clip each optimizer's gradients, step it; the norms before clipping."""
+    def _step(self, sums: _MetricSums) -> None:
+        """Set the scheduled rate, clip each optimizer's gradients, step it; the norms
+        before clipping (and the rate) go to ``sums``."""
         if self.world.parallel:  # every rank steps on the mean of the ranks' gradients
             params = [p for spec in self.optimizers for p in spec.params]
             # Sharded (FSDP2) parameters came averaged out of backward; the rest by hand.
             distributed.average_gradients([p for p in params if not parallel.is_dtensor(p)])
+        if self.schedule != "constant":
+            factor = lr_factor(
+                self.schedule, self.version, self.updates, warmup=self.warmup, final=self.final
+            )
+            sums.add({"lr": apply_factor(self.optimizers, factor)})
         norms = {}
         for spec in self.optimizers:
             limit = spec.grad_clip if spec.grad_clip > 0 else float("inf")
             norms[spec.name] = parallel.clip_grad_norm(spec.params, limit)
             spec.optimizer.step()
-        return norms
+        sums.norms(norms)
 
 
 def _norm_key(optimizer: str) -> str:
