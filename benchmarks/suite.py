@@ -44,6 +44,7 @@ SUITES = {  # name: the module (benchmarks/<module>.py) whose `suite` it is
     "shared": "shared",
     "parallel": "parallel",
     "tinker": "tinker",
+    "precision": "precision",
 }
 GRIDS = ("full", "quick", "tiny")
 EXIT_USAGE, EXIT_INTERRUPTED = 2, 130

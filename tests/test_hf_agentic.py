@@ -9,7 +9,6 @@ that sampled it); and learning from the warm start."""
 
 from __future__ import annotations
 
-import math
 from functools import partial
 from pathlib import Path
 from typing import Any, Literal
@@ -312,30 +311,5 @@ async def test_agents_through_the_endpoint_train_it(tmp_path: Path, anyio_backen
     assert len(steps) == 2 and all(len(e["weights"]) == 16 for e in steps)
 
 
-# ----------------------------------------------------------------------------- learning
-
-
-@pytest.mark.slow
-@pytest.mark.parametrize("anyio_backend", ["asyncio"])
-@pytest.mark.anyio
-async def test_grpo_raises_held_out_success_from_the_warm_start(
-    tmp_path: Path, anyio_backend: str
-) -> None:
-    """The shipped recipes: hf_agentic_sft.toml (160 steps), then hf_agentic.toml (60
-    GRPO steps). Held-out success (256 problems, greedy episodes) rises by more than 3
-    standard errors (measured: 0.58 -> 0.94, ~2 min on 2 cores)."""
-    sft = corun.load_config(REPO / "configs/hf_agentic_sft.toml",
-                            [f"run.dir={tmp_path / 'sft'}", "log.progress=off"])  # fmt: skip
-    warm = tmp_path / "sft" / "checkpoints" / f"step-{sft.run.steps}"
-    rl = corun.load_config(REPO / "configs/hf_agentic.toml", [
-        f"run.dir={tmp_path / 'rl'}", f"trainer.init_from={warm}", "log.progress=off",
-    ])  # fmt: skip
-    with anyio.fail_after(900):
-        for config in (sft, rl):
-            await corun.run(corun.resolve_trainer(config.trainer.kind)(config), config)
-    evals = [r for r in read_records(tmp_path / "rl" / "metrics.jsonl") if "eval/success" in r]
-    before, after = evals[0]["eval/success"], evals[-1]["eval/success"]
-    se = math.sqrt(before * (1 - before) / rl.trainer.eval_size)
-    print(f"held-out success {before:.3f} -> {after:.3f} (se {se:.3f})")
-    assert after - before > 3 * se, (before, after, se)
-    assert evals[-1]["eval/tool_calls_mean"] > 0.9
+# The recipes' learning (hf_agentic_sft, then hf_agentic: held-out success 0 -> 0.57 ->
+# 0.93) is checked against their documented figures by tests/test_recipe_figures.py.

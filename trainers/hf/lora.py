@@ -47,6 +47,14 @@ WHERE = "`$.trainer.lora.target_modules`"
 ADAPTABLE = (nn.Linear, nn.Embedding, nn.Conv1d, nn.Conv2d, nn.Conv3d)
 
 
+LORA_LR_SCALE = 10.0  # measured on hf_grpo_vllm: docs/huggingface.md
+
+
+def lr_scale(settings: LoraSettings | None) -> float:
+    """How many times ``trainer.lr`` an hf policy's trained parameters learn at."""
+    return settings.lr_scale if settings is not None else 1.0
+
+
 class LoraSettings(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):
     """``[trainer.lora]``: train low-rank adapters instead of the model's weights."""
 
@@ -54,6 +62,9 @@ class LoraSettings(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_o
     rank: Annotated[int, msgspec.Meta(ge=1)] = 8
     # The update is scaled by alpha / rank: alpha sets its size whatever the rank.
     alpha: Annotated[float, msgspec.Meta(gt=0)] = 16.0
+    # The adapters learn at trainer.lr times this: from zero-initialised B, at a full
+    # fine-tune's rate they learn too slowly (docs/huggingface.md, "LoRA and bf16").
+    lr_scale: Annotated[float, msgspec.Meta(gt=0)] = LORA_LR_SCALE
     # Dropout on the adapters' input while training (0: none; the base path never drops).
     dropout: Annotated[float, msgspec.Meta(ge=0, lt=1)] = 0.0
     # The modules adapted, by name or name suffix (as peft matches them): the attention

@@ -150,6 +150,9 @@ class HFRollouts(PolicyGradientTrainer[Any]):
         self.chat = ChatFormat(self.tokenizer, cfg.system_prompt)
         return with_adapters(policy, cfg, self.run_config)
 
+    def policy_lr_scale(self) -> float:
+        return lora.lr_scale(self.config.lora)
+
     def trained_policy(self, policy: HFPolicy) -> HFPolicy:
         """Sharded over the ranks (a whole copy kept for the engine to start from)."""
         self.engine_source = whole_copy(policy)

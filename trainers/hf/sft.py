@@ -17,7 +17,7 @@ from corun import Batch, Dataset, RolloutContext, SetupContext
 from corun.engines.options import EngineOptions
 from corun.execution.parallel import Precision
 from trainers.hf.evaluation import evaluate
-from trainers.hf.lora import LoraSettings
+from trainers.hf.lora import LoraSettings, lr_scale
 from trainers.hf.policy import ChatFormat, HFPolicy
 from trainers.hf.rewards import Rewards
 from trainers.hf.rl import DEFAULT_REWARDS, TaskName, check_hf_config
@@ -54,6 +54,9 @@ class HFSFTTrainer(SFTTrainer):
     config: HFSFTConfig  # type: ignore[assignment]
     model: HFPolicy  # type: ignore[assignment]
     shards_model = True  # run.parallel = "fsdp" (trainers/hf/training.py)
+
+    def policy_lr_scale(self) -> float:
+        return lr_scale(self.config.lora)
 
     def setup(self, ctx: SetupContext) -> None:
         cfg = self.config

@@ -243,9 +243,18 @@ class PolicyGradientTrainer(Trainer[C]):
         self.policy = self.trained_policy(policy)
         self.extra_modules = self.algorithm.modules(self.policy)
         trained = [p for p in self.policy.parameters() if p.requires_grad]  # not LoRA's base
-        params = [*trained, *self.extra_parameters()]
-        self.optimizer = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=0.0)
+        extra, scale = self.extra_parameters(), self.policy_lr_scale()
+        groups: list[dict[str, Any]] = [{"params": [*trained, *extra]}]
+        if scale != 1.0:  # the policy's own rate (else one group, as checkpoints have)
+            groups = [{"params": trained, "lr": cfg.lr * scale}]
+            groups += [{"params": extra}] if extra else []
+        self.optimizer = torch.optim.AdamW(groups, lr=cfg.lr, weight_decay=0.0)
         ctx.add_optimizer(self.optimizer, grad_clip=cfg.grad_clip)
+
+    def policy_lr_scale(self) -> float:
+        """The policy's trained parameters learn at ``lr`` times this (LoRA adapters
+        need more than whole weights); value heads and the like at ``lr``."""
+        return 1.0
 
     def initial_policy(self) -> TrainablePolicy:
         """The policy to start from: a warm start's, or a fresh one."""

@@ -1,0 +1,242 @@
+"""What each shipped recipe learns, measured: ``python -m benchmarks.recipes [NAME ...]
+[--write]``.
+
+Each :class:`Check` names a recipe of ``configs/``, the held-out metric its row of
+docs/recipes.md quotes, and for a recipe too slow for CI the overrides of a shorter
+twin (measured and documented beside it). A measurement trains the recipe (or twin)
+with ``corun train`` in a scratch folder, its warm starts first as the recipe names
+them, and reads the metric at the first and the last evaluation from the run's
+``metrics.jsonl``. Its standard error is the trainer's own (``<metric>_se``) where it
+reports one, else the binomial bound sqrt(p(1 - p) / n) over the ``n`` held-out
+examples (every metric here is a mean of values in [0, 1]).
+
+``--write`` stores the figures in ``benchmarks/recipe_figures.json`` and regenerates
+docs/recipes.md's table from them (between its ``recipe-figures`` markers): the table
+is never typed by hand. tests/test_recipe_figures.py trains every check again and
+fails when a figure moved by more than ``TOLERANCE_SE`` standard errors of the
+difference, naming the recipe, both figures and the tolerance.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import math
+import os
+import platform
+import subprocess
+import sys
+import time
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+FIGURES = Path(__file__).with_name("recipe_figures.json")
+DOCS = ROOT / "docs" / "recipes.md"
+BEGIN, END = "<!-- recipe-figures:begin -->", "<!-- recipe-figures:end -->"
+TOLERANCE_SE = 3.0  # a figure may move this many standard errors of the difference
+
+
+@dataclass(frozen=True)
+class Check:
+    recipe: str  # configs/<recipe>.toml
+    metric: str  # the held-out metric its docs row quotes
+    n: int  # held-out examples behind the metric (its binomial standard error)
+    twin: tuple[str, ...] = ()  # overrides of a shorter twin for CI; () the recipe itself
+    label: str = ""  # what the metric is, in the docs table
+
+    @property
+    def name(self) -> str:
+        return f"{self.recipe} (twin)" if self.twin else self.recipe
+
+
+# In dependency order: a recipe after the warm starts it names, so that a measurement
+# of every check trains each warm start once.
+CHECKS = (
+    Check("sft", "eval/accuracy", 512, label="exact match"),
+    Check("sft_warmup", "eval/accuracy", 512, label="exact match"),
+    Check("grpo", "eval/accuracy", 512, label="exact match"),
+    Check("ppo", "eval/accuracy", 512, label="exact match"),
+    Check(
+        "grpo_async",
+        "eval/accuracy",
+        512,
+        ("loop.version_schedule=fixed",),
+        "exact match, fixed version schedule",
+    ),
+    Check("diffusion_pretrain", "eval/reward", 72, label="image reward"),
+    Check("flow_grpo", "eval/reward", 72, label="image reward"),
+    Check("pe_warmup", "eval/rewrite_exact", 72, label="exact rewrites"),
+    Check("pe", "eval/reward", 72, label="image reward"),
+    Check("unified_pretrain", "eval/text/accuracy", 256, label="text exact match"),
+    Check("unified", "eval/text/accuracy", 256, label="text exact match"),
+    Check("agentic_sft", "eval/success", 256, label="success"),
+    Check("agentic", "eval/success", 256, label="success"),
+    Check("agentic_async", "eval/success", 256, ("loop.version_schedule=fixed",), "success"),
+    Check("hf_sft", "eval/reward", 512, label="numeric match"),
+    Check("hf_grpo_vllm", "eval/reward", 512, label="numeric match"),
+    Check("hf_grpo", "eval/reward", 512, label="numeric match"),
+    Check("hf_ppo", "eval/reward", 512, label="numeric match"),
+    Check("hf_agentic_sft", "eval/success", 256, label="success"),
+    Check("hf_agentic", "eval/success", 256, label="success"),
+    Check("hf_agentic_vllm", "eval/success", 256, label="success"),
+    Check("hf_agentic_async", "eval/success", 256, label="success"),
+)
+
+
+@dataclass(frozen=True)
+class Figure:
+    """One measurement of a check."""
+
+    start: float  # the metric at the first evaluation
+    final: float  # ... at the last
+    se: float  # the final figure's standard error
+    steps: int
+    wall_s: float  # the command's wall time, warm starts trained on the way included
+
+
+def standard_error(value: float, n: int, reported: float | None) -> float:
+    """The trainer's own standard error when it reports one, else the binomial bound."""
+    if reported is not None:
+        return reported
+    return math.sqrt(max(value * (1.0 - value), 0.0) / n)
+
+
+def final_metric(run_dir: Path, check: Check) -> Figure:
+    """The check's metric at the first and last evaluation of ``run_dir``."""
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    evals = [row for row in rows if check.metric in row and "perf/eval_time_s" in row]
+    if not evals:
+        raise RuntimeError(f"{check.name}: no evaluation of {check.metric} in {run_dir}")
+    last = evals[-1]
+    value = float(last[check.metric])
+    se = standard_error(value, check.n, last.get(f"{check.metric}_se"))
+    return Figure(float(evals[0][check.metric]), value, se, int(last["step"]), 0.0)
+
+
+def measure(check: Check, scratch: Path, extra: Sequence[str] = ()) -> Figure:
+    """Train the check's recipe (or twin) with ``corun train`` in ``scratch``, with
+    ``extra`` overrides; its figure. Warm starts already trained there are reused."""
+    from corun import load_config  # a measurement's imports wait until it runs
+
+    scratch.mkdir(parents=True, exist_ok=True)
+    overrides = [*check.twin, *extra, "log.progress=off"]
+    if check.twin or extra:  # its own run directory, beside the recipe's own run's
+        name = load_config(check.recipe).run.name
+        overrides.append(
+            f"run.name={name}{'-twin' if check.twin else ''}{'-extra' if extra else ''}"
+        )
+    run_dir = load_config(check.recipe, overrides).run_dir
+    command = [sys.executable, "-m", "corun", "train", check.recipe, *overrides]
+    started = time.perf_counter()
+    done = subprocess.run(command, cwd=scratch, capture_output=True, text=True, check=False)
+    wall = time.perf_counter() - started
+    if done.returncode != 0:
+        raise RuntimeError(f"{check.name}: corun train exited {done.returncode}\n{done.stderr}")
+    figure = final_metric(scratch / run_dir, check)
+    return Figure(figure.start, figure.final, figure.se, figure.steps, round(wall, 1))
+
+
+def moved(check: Check, documented: dict[str, Any], now: Figure) -> str | None:
+    """Why ``now`` is not the documented figure (more than ``TOLERANCE_SE`` standard
+    errors of the difference of two independent figures away); None when it is."""
+    tolerance = TOLERANCE_SE * math.hypot(float(documented["se"]), now.se)
+    gap = now.final - float(documented["final"])
+    if abs(gap) <= tolerance:
+        return None
+    return (
+        f"{check.name}: held-out {check.metric} at step {now.steps} is {now.final:.3f} "
+        f"(from {now.start:.3f}); documented {documented['final']:.3f} ± {documented['se']:.3f} "
+        f"(measured {documented['measured']}): {gap:+.3f}, past the tolerance of "
+        f"{tolerance:.3f} ({TOLERANCE_SE:g} standard errors of the difference)"
+    )
+
+
+def stored() -> dict[str, dict[str, Any]]:
+    """The documented figures, by check name."""
+    return dict(json.loads(FIGURES.read_text())["figures"]) if FIGURES.is_file() else {}
+
+
+def store(figures: dict[str, Figure]) -> None:
+    """Merge ``figures`` into the JSON file, stamped with the date and the machine."""
+    document = json.loads(FIGURES.read_text()) if FIGURES.is_file() else {"figures": {}}
+    today = datetime.date.today().isoformat()
+    for name, figure in figures.items():
+        document["figures"][name] = {**asdict(figure), "measured": today}
+    document["machine"] = machine()
+    order = [check.name for check in CHECKS]
+    document["figures"] = dict(
+        sorted(document["figures"].items(), key=lambda item: order.index(item[0]))
+    )
+    FIGURES.write_text(json.dumps(document, indent=1) + "\n")
+
+
+def machine() -> str:
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    import torch  # the CPU capability decides float rounding, and with it the figures
+
+    capability = torch.backends.cpu.get_cpu_capability()
+    return f"{platform.machine()}, {cores} cores, torch {torch.__version__} ({capability})"
+
+
+def table(figures: dict[str, dict[str, Any]]) -> str:
+    """docs/recipes.md's figure table."""
+    lines = [
+        "| recipe | held-out metric | steps | start → end (± SE) | wall |",
+        "|---|---|---|---|---|",
+    ]
+    for check in CHECKS:
+        figure = figures.get(check.name)
+        if figure is None:
+            continue
+        twin = f" `{' '.join(check.twin)}`" if check.twin else ""
+        lines.append(
+            f"| `{check.recipe}`{twin} | {check.label} | {figure['steps']} | "
+            f"{figure['start']:.3f} → {figure['final']:.3f} ± {figure['se']:.3f} | "
+            f"{figure['wall_s']:.0f} s |"
+        )
+    return "\n".join(lines)
+
+
+def write_docs(document: dict[str, Any]) -> None:
+    text = DOCS.read_text()
+    head, rest = text.split(BEGIN, 1)
+    _, tail = rest.split(END, 1)
+    note = f"Measured by `python -m benchmarks.recipes --write` on {document['machine']}."
+    DOCS.write_text(f"{head}{BEGIN}\n{note}\n\n{table(document['figures'])}\n{END}{tail}")
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.recipes", description=__doc__)
+    parser.add_argument("names", nargs="*", help="recipes to measure (default: every check)")
+    parser.add_argument(
+        "--write", action="store_true", help="store the figures and regenerate the docs table"
+    )
+    parser.add_argument("--scratch", type=Path, default=Path("runs/recipe-figures"))
+    args = parser.parse_args(argv)
+    unknown = set(args.names) - {check.recipe for check in CHECKS}
+    if unknown:
+        parser.error(f"no check for {', '.join(sorted(unknown))}")
+    checks = [c for c in CHECKS if not args.names or c.recipe in args.names]
+    documented, measured = stored(), {}
+    for check in checks:
+        figure = measure(check, args.scratch)
+        measured[check.name] = figure
+        before = documented.get(check.name)
+        was = f"  (documented {before['final']:.3f})" if before else ""
+        print(
+            f"{check.name:24} {check.metric:20} {figure.start:.3f} -> {figure.final:.3f} "
+            f"± {figure.se:.3f}  {figure.steps} steps  {figure.wall_s:.0f} s{was}",
+            flush=True,
+        )
+    if args.write:
+        store(measured)
+        write_docs(json.loads(FIGURES.read_text()))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
