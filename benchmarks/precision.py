@@ -42,7 +42,7 @@ def final_reward(variant: str, seed: int, steps: int, scratch: Path) -> float:
     command = [
         sys.executable, "-m", "corun", "train", RECIPE, *VARIANTS[variant],
         f"run.seed={seed}", f"run.steps={steps}", f"run.dir={run_dir}",
-        f"loop.eval_interval={steps}", f"loop.save_interval={steps}", "log.progress=off",
+        f"loop.eval_interval={min(steps, 100)}", f"loop.save_interval={steps}", "log.progress=off",
     ]  # fmt: skip
     subprocess.run(command, cwd=scratch, check=True, env={**os.environ, "WANDB_MODE": "disabled"})
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]

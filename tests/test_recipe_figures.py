@@ -25,7 +25,15 @@ def scratch(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return tmp_path_factory.mktemp("recipes")
 
 
-@pytest.mark.parametrize("check", CHECKS, ids=[check.name for check in CHECKS])
+# A recipe too slow for CI is measured there by its shorter twin; `-m long` runs it whole.
+PARAMS = [
+    pytest.param(check, id=check.name, marks=[pytest.mark.long] if check.has_twin else [])
+    for check in CHECKS
+]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("check", PARAMS)
 def test_the_recipe_reaches_its_documented_figure(check: Check, scratch: Path) -> None:
     documented = stored().get(check.name)
     assert documented is not None, (
@@ -38,6 +46,7 @@ def test_the_recipe_reaches_its_documented_figure(check: Check, scratch: Path) -
     assert reason is None, reason
 
 
+@pytest.mark.slow
 def test_a_recipe_that_stops_learning_fails_with_its_figures(tmp_path: Path) -> None:
     """sft_warmup at a learning rate a million times smaller: the check names the
     recipe, the figure reached and the documented one."""
@@ -51,7 +60,7 @@ def test_a_recipe_that_stops_learning_fails_with_its_figures(tmp_path: Path) -> 
 def test_every_recipe_has_a_check_and_the_docs_table_is_generated() -> None:
     recipes = {path.stem for path in (REPO / "configs").glob("*.toml")} - SERVE_ONLY
     assert recipes == {check.recipe for check in CHECKS}
-    assert set(stored()) == {check.name for check in CHECKS}
+    assert set(stored()) == {check.name for check in CHECKS}  # every check, twins too
     # Each documented figure is one of learning: the run ends more than 3 standard
     # errors above where it started.
     flat = {name: f for name, f in stored().items() if f["final"] - f["start"] <= 3 * f["se"]}
