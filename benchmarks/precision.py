@@ -17,7 +17,6 @@ seeds is a benchmark's, and the recipes' own figures are tests/test_recipe_figur
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
 import subprocess
@@ -26,6 +25,7 @@ import tempfile
 from pathlib import Path
 
 from benchmarks.report import Note, Table, fmt
+from corun.records.events import read_records
 
 RECIPE = "hf_grpo"
 VARIANTS = {  # name: overrides of the recipe
@@ -45,7 +45,7 @@ def final_reward(variant: str, seed: int, steps: int, scratch: Path) -> float:
         f"loop.eval_interval={min(steps, 100)}", f"loop.save_interval={steps}", "log.progress=off",
     ]  # fmt: skip
     subprocess.run(command, cwd=scratch, check=True, env={**os.environ, "WANDB_MODE": "disabled"})
-    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    rows = read_records(run_dir / "metrics.jsonl")
     return float([row for row in rows if "eval/reward" in row][-1]["eval/reward"])
 
 

@@ -33,6 +33,8 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
+from corun.records.events import read_records
+
 ROOT = Path(__file__).resolve().parents[1]
 FIGURES = Path(__file__).with_name("recipe_figures.json")
 DOCS = ROOT / "docs" / "recipes.md"
@@ -119,7 +121,7 @@ def standard_error(value: float, n: int, reported: float | None) -> float:
 
 def final_metric(run_dir: Path, check: Check) -> Figure:
     """The check's metric at the first and last evaluation of ``run_dir``."""
-    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    rows = read_records(run_dir / "metrics.jsonl")
     evals = [row for row in rows if check.metric in row and "perf/eval_time_s" in row]
     if not evals:
         raise RuntimeError(f"{check.name}: no evaluation of {check.metric} in {run_dir}")
