@@ -291,8 +291,13 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     grid = SMOKE if args.cpu_smoke else GPU
     if args.phase == "train":
+        from corun.host.entry import leave
+
         train(args.model, grid, args.out)
-        return 0
+        # As a corun rank ends: without the interpreter's teardown, where a torch thread
+        # still unwinding aborted a rank once in a CI run ("terminate called without an
+        # active exception").
+        return leave(0)
     import anyio
 
     from trainers.hf.policy import quiet_transformers

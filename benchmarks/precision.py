@@ -6,11 +6,12 @@ of ``corun bench``, and a program of its own::
 
 Each variant is the ``hf_grpo`` recipe (GRPO of the built-in tiny Llama from its SFT
 warm start, the transformers engine generating, the rate decayed by cosine) in a fresh
-``corun train`` process: ``float32`` as shipped, ``bfloat16`` with ``trainer.dtype=bfloat16``, and
-``lora`` with ``trainer.lora.rank=8`` (the adapters at their own rate,
-``trainer.lora.lr_scale``). Printed: each variant's held-out numeric match at the last
-step, the mean over the seeds with its standard error (over seeds), and the ratio to
-float32's mean, measured in the same run. Nothing is asserted: a learning figure over
+``corun train`` process: ``float32`` as shipped, ``bfloat16`` with
+``trainer.dtype=bfloat16``, and ``lora`` with ``trainer.lora.rank=8`` (the adapters on
+the attention and MLP projections at their own rates: ``trainer.lora.lr_scale`` and
+``b_lr_ratio``). Printed: each variant's held-out numeric match at the last step, the
+mean over the seeds with its standard error (over seeds), and the ratio to float32's
+mean, measured in the same run. Nothing is asserted: a learning figure over
 seeds is a benchmark's, and the recipes' own figures are tests/test_recipe_figures.py's.
 """
 
@@ -77,8 +78,8 @@ def suite(grid: str, scratch: Path, note: Note) -> list[Table]:
         ["variant", "per seed", "mean", "SE (seeds)", "/ float32"], rows, ratios,
         "float32's mean final reward, same run",
         [f"{seeds} seed(s) from 0; the SFT warm start is shared (trained once, float32). "
-         "lora: rank 8 on the attention projections at trainer.lora.lr_scale times the "
-         "recipe's rate."],
+         "lora: rank 8 on the attention and MLP projections, A at trainer.lora.lr_scale "
+         "times the recipe's rate and B at b_lr_ratio times A's (LoRA+)."],
     )]  # fmt: skip
 
 

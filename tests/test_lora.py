@@ -22,6 +22,7 @@ from trainers.hf.lora import (
     is_lora,
     load_adapter_state,
     merged_weights,
+    param_groups,
     save_adapter,
     trainable_parameters,
 )
@@ -42,6 +43,24 @@ def _logits(policy: HFPolicy) -> Tensor:
 
 def _base_weights(policy: HFPolicy) -> dict[str, Tensor]:
     return {k: v.clone() for k, v in policy.model.state_dict().items() if "lora_" not in k}
+
+
+def test_the_optimizer_groups_give_b_its_own_rate() -> None:
+    """LoRA+: A (every adapter weight but B) at lr x lr_scale, B at b_lr_ratio times
+    that; without LoRA one group at the optimizer's own rate."""
+    plain = _policy()
+    assert param_groups(plain, None, 1e-3) == [{"params": list(plain.parameters())}]
+    policy, settings = _policy(), LoraSettings(lr_scale=2.0, b_lr_ratio=8.0)
+    add_lora(policy, settings, seed=1)
+    a, b = param_groups(policy, settings, 1e-3)
+    names = {id(p): name for name, p in policy.named_parameters()}
+    assert a["lr"] == pytest.approx(2e-3) and b["lr"] == pytest.approx(16e-3)
+    assert {names[id(p)].split(".lora_")[1][0] for p in a["params"]} == {"A"}
+    assert {names[id(p)].split(".lora_")[1][0] for p in b["params"]} == {"B"}
+    assert len(a["params"]) == len(b["params"]) == 2 * 7  # 2 layers x 7 projections
+    assert {id(p) for p in a["params"] + b["params"]} == {
+        id(p) for p in trainable_parameters(policy)
+    }
 
 
 @pytest.fixture(scope="module")

@@ -35,7 +35,7 @@ from trainers.lm.policy import rollout_logprobs
 
 pytestmark = pytest.mark.anyio
 
-LORA = {"lora": {"rank": 4, "alpha": 8.0, "lr_scale": 1.0}, "lr": 1e-2}
+LORA = {"lora": {"rank": 4, "alpha": 8.0, "lr_scale": 1.0, "b_lr_ratio": 1.0}, "lr": 1e-2}
 
 
 def _lora_config(run_dir: Path, steps: int = 4, resume: bool = False, **trainer: Any) -> Any:

@@ -47,12 +47,24 @@ WHERE = "`$.trainer.lora.target_modules`"
 ADAPTABLE = (nn.Linear, nn.Embedding, nn.Conv1d, nn.Conv2d, nn.Conv3d)
 
 
-LORA_LR_SCALE = 10.0  # measured on hf_grpo_vllm: docs/huggingface.md
+LLAMA_LINEAR = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+# Measured on hf_grpo over seeds (docs/huggingface.md, "LoRA and bfloat16").
+LORA_LR_SCALE = 2.0
+LORA_B_LR_RATIO = 8.0
 
 
-def lr_scale(settings: LoraSettings | None) -> float:
-    """How many times ``trainer.lr`` an hf policy's trained parameters learn at."""
-    return settings.lr_scale if settings is not None else 1.0
+def param_groups(
+    model: nn.Module, settings: LoraSettings | None, lr: float
+) -> list[dict[str, Any]]:
+    """The optimizer's parameter groups of ``model``'s trained parameters: one at ``lr``;
+    with LoRA, A at ``lr_scale`` times it and B at ``b_lr_ratio`` times A's (LoRA+)."""
+    trained = [(name, p) for name, p in model.named_parameters() if p.requires_grad]
+    if settings is None:
+        return [{"params": [p for _, p in trained]}]
+    rate = lr * settings.lr_scale
+    b = [p for name, p in trained if ".lora_B." in name]
+    rest = [p for name, p in trained if ".lora_B." not in name]
+    return [{"params": rest, "lr": rate}, {"params": b, "lr": rate * settings.b_lr_ratio}]
 
 
 class LoraSettings(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):
@@ -62,15 +74,18 @@ class LoraSettings(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_o
     rank: Annotated[int, msgspec.Meta(ge=1)] = 8
     # The update is scaled by alpha / rank: alpha sets its size whatever the rank.
     alpha: Annotated[float, msgspec.Meta(gt=0)] = 16.0
-    # The adapters learn at trainer.lr times this: from zero-initialised B, at a full
-    # fine-tune's rate they learn too slowly (docs/huggingface.md, "LoRA and bf16").
+    # A learns at trainer.lr times this: at a full fine-tune's rate, adapters from a
+    # zero B learn too slowly.
     lr_scale: Annotated[float, msgspec.Meta(gt=0)] = LORA_LR_SCALE
+    # B learns at this multiple of A's rate (LoRA+, Hayou et al. 2024): with equal
+    # rates, B's small updates hold the product back.
+    b_lr_ratio: Annotated[float, msgspec.Meta(gt=0)] = LORA_B_LR_RATIO
     # Dropout on the adapters' input while training (0: none; the base path never drops).
     dropout: Annotated[float, msgspec.Meta(ge=0, lt=1)] = 0.0
-    # The modules adapted, by name or name suffix (as peft matches them): the attention
-    # projections by default; add "gate_proj", "up_proj", "down_proj" for the MLP.
+    # The modules adapted, by name or name suffix (as peft matches them): a Llama's
+    # attention and MLP projections (attention alone learned less: docs/huggingface.md).
     target_modules: Annotated[list[str], msgspec.Meta(min_length=1)] = msgspec.field(
-        default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj"]
+        default_factory=lambda: list(LLAMA_LINEAR)
     )
 
 

@@ -150,8 +150,8 @@ class HFRollouts(PolicyGradientTrainer[Any]):
         self.chat = ChatFormat(self.tokenizer, cfg.system_prompt)
         return with_adapters(policy, cfg, self.run_config)
 
-    def policy_lr_scale(self) -> float:
-        return lora.lr_scale(self.config.lora)
+    def policy_groups(self, lr: float) -> list[dict[str, Any]]:
+        return lora.param_groups(self.policy, self.config.lora, lr)
 
     def trained_policy(self, policy: HFPolicy) -> HFPolicy:
         """Sharded over the ranks (a whole copy kept for the engine to start from)."""

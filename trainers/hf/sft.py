@@ -17,7 +17,7 @@ from corun import Batch, Dataset, RolloutContext, SetupContext
 from corun.engines.options import EngineOptions
 from corun.execution.parallel import Precision
 from trainers.hf.evaluation import evaluate
-from trainers.hf.lora import LoraSettings, lr_scale
+from trainers.hf.lora import LoraSettings, param_groups
 from trainers.hf.policy import ChatFormat, HFPolicy
 from trainers.hf.rewards import Rewards
 from trainers.hf.rl import DEFAULT_REWARDS, TaskName, check_hf_config
@@ -55,8 +55,8 @@ class HFSFTTrainer(SFTTrainer):
     model: HFPolicy  # type: ignore[assignment]
     shards_model = True  # run.parallel = "fsdp" (trainers/hf/training.py)
 
-    def policy_lr_scale(self) -> float:
-        return lr_scale(self.config.lora)
+    def model_groups(self, lr: float) -> list[dict[str, Any]]:
+        return param_groups(self.model, self.config.lora, lr)
 
     def setup(self, ctx: SetupContext) -> None:
         cfg = self.config

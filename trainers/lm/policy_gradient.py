@@ -242,19 +242,18 @@ class PolicyGradientTrainer(Trainer[C]):
         self.reference = kl_anchor(policy, cfg.kl_coef)
         self.policy = self.trained_policy(policy)
         self.extra_modules = self.algorithm.modules(self.policy)
-        trained = [p for p in self.policy.parameters() if p.requires_grad]  # not LoRA's base
-        extra, scale = self.extra_parameters(), self.policy_lr_scale()
-        groups: list[dict[str, Any]] = [{"params": [*trained, *extra]}]
-        if scale != 1.0:  # the policy's own rate (else one group, as checkpoints have)
-            groups = [{"params": trained, "lr": cfg.lr * scale}]
-            groups += [{"params": extra}] if extra else []
+        groups, extra = self.policy_groups(cfg.lr), self.extra_parameters()
+        if extra and len(groups) == 1 and "lr" not in groups[0]:  # one, as checkpoints have
+            groups = [{"params": [*groups[0]["params"], *extra]}]
+        elif extra:  # value heads and the like at lr
+            groups.append({"params": extra})
         self.optimizer = torch.optim.AdamW(groups, lr=cfg.lr, weight_decay=0.0)
         ctx.add_optimizer(self.optimizer, grad_clip=cfg.grad_clip)
 
-    def policy_lr_scale(self) -> float:
-        """The policy's trained parameters learn at ``lr`` times this (LoRA adapters
-        need more than whole weights); value heads and the like at ``lr``."""
-        return 1.0
+    def policy_groups(self, lr: float) -> list[dict[str, Any]]:
+        """The optimizer's parameter groups of the policy's trained parameters: one at
+        ``lr`` here; LoRA's adapters at rates of their own (trainers/hf/lora.py)."""
+        return [{"params": [p for p in self.policy.parameters() if p.requires_grad]}]
 
     def initial_policy(self) -> TrainablePolicy:
         """The policy to start from: a warm start's, or a fresh one."""

@@ -92,14 +92,14 @@ class SFTTrainer(Trainer[SFTConfig]):
 
     def setup_optimizer(self, ctx: SetupContext) -> None:
         cfg = self.config
-        trained = [p for p in self.model.parameters() if p.requires_grad]  # not LoRA's base
-        lr = cfg.lr * self.policy_lr_scale()
-        self.optimizer = torch.optim.AdamW(trained, lr=lr, weight_decay=cfg.weight_decay)
+        groups = self.model_groups(cfg.lr)
+        self.optimizer = torch.optim.AdamW(groups, lr=cfg.lr, weight_decay=cfg.weight_decay)
         ctx.add_optimizer(self.optimizer, grad_clip=cfg.grad_clip)
 
-    def policy_lr_scale(self) -> float:
-        """The model learns at ``lr`` times this (LoRA adapters need more)."""
-        return 1.0
+    def model_groups(self, lr: float) -> list[dict[str, Any]]:
+        """The optimizer's parameter groups: the model's trained parameters at ``lr``
+        here; LoRA's adapters at rates of their own (trainers/hf/lora.py)."""
+        return [{"params": [p for p in self.model.parameters() if p.requires_grad]}]
 
     def dataset(self) -> Dataset:
         data, seed = self.run_config.data, self.run_config.run.seed
