@@ -39,6 +39,10 @@ class RunConfig(Section, frozen=True, forbid_unknown_fields=True, kw_only=True):
     # Total optimizer steps; a resumed run continues up to this number.
     steps: NonNegativeInt = 100
     backend: Literal["asyncio", "trio"] = "asyncio"
+    # Where the trainer's models, optimizer state and batches live
+    # (corun/execution/device.py): "auto" (this process's GPU when torch sees CUDA, else
+    # the CPU), "cpu", "cuda" (refused at start without one) or "cuda:N".
+    device: Annotated[str, msgspec.Meta(pattern=r"^(auto|cpu|cuda(:[0-9]+)?)$")] = "auto"
     # Each teardown step gets this long before it is abandoned and the next one runs.
     teardown_timeout_s: PositiveFloat = 30.0
     # After the first SIGINT/SIGTERM the process ends by this deadline, whatever hangs.

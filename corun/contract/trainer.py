@@ -206,9 +206,14 @@ class SetupContext:
     """
 
     def __init__(
-        self, config: CorunConfig, register: Callable[[str, TeardownFn], None] | None = None
-    ) -> None:
+        self, config: CorunConfig, register: Callable[[str, TeardownFn], None] | None = None,
+        device: torch.device | None = None,
+    ) -> None:  # fmt: skip
         self.config = config
+        # Where the trainer puts its models, optimizer state, batches and losses
+        # (run.device, resolved: corun/execution/device.py); rewards and data stay on
+        # the CPU.
+        self.device = device or torch.device("cpu")
         self.teardowns: list[tuple[str, TeardownFn]] = []
         self.optimizers: list[OptimizerSpec] = []
         self.kept: dict[str, Stateful] = {}

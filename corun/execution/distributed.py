@@ -46,6 +46,7 @@ import torch.distributed as dist
 from corun.base.config import Config
 from corun.base.errors import ConfigError
 from corun.base.rng import stable_seed
+from corun.execution import device
 from corun.execution.compute import cancel_point, in_lane_call, stop_requested
 
 # The kinds that opt in (``data_parallel = True``), for the refusal's message.
@@ -97,15 +98,15 @@ def launched_size() -> int:
 
 
 def backend() -> str:
-    """NCCL where there is a GPU (gradients live there), gloo on CPU."""
-    return "nccl" if torch.cuda.is_available() else "gloo"
+    """NCCL where the run's device is a GPU (gradients live there), gloo on the CPU."""
+    return "nccl" if device.current().type == "cuda" else "gloo"
 
 
-def init(timeout_s: float) -> World:
-    """Join the process group torchrun set up (env://), collectives bounded by ``timeout_s``."""
+def init(timeout_s: float, device_setting: str = "auto") -> World:
+    """Join the process group torchrun set up (env://) on the run's device (each rank
+    its local GPU, or the CPU), collectives bounded by ``timeout_s``."""
     _die_with_parent()
-    if backend() == "nccl":
-        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+    device.use(device_setting)
     dist.init_process_group(backend(), timeout=timedelta(seconds=timeout_s))
     _timeout_s[0] = timeout_s
     # Checkpoint writes run in the background beside training: their collectives get a

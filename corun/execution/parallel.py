@@ -37,6 +37,7 @@ import torch.distributed as dist
 from torch import Tensor, nn
 from torch.distributed.tensor import DTensor
 
+from corun.execution import device
 from corun.execution.distributed import world
 
 Strategy = Literal["ddp", "fsdp"]
@@ -51,8 +52,8 @@ _meshes: dict[Strategy, Any] = {}
 
 
 def device_type() -> str:
-    """Where a rank's model lives: its GPU under NCCL, the CPU under gloo."""
-    return "cuda" if torch.cuda.is_available() and dist.is_initialized() else "cpu"
+    """Where a rank's model lives: the run's device (run.device)."""
+    return device.current().type
 
 
 def mesh(strategy: Strategy) -> Any:

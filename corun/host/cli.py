@@ -59,7 +59,7 @@ from corun.contract.config_file import load_config
 from corun.contract.engine import EngineError
 from corun.contract.registry import resolve_trainer
 from corun.contract.trainer import Outcome, Trainer
-from corun.execution import compute, distributed, procs
+from corun.execution import compute, device, distributed, procs
 from corun.host.early_signals import exit_on_signals, flush_output
 from corun.host.runs import run
 from corun.loop.deadlines import DeadlineError
@@ -138,6 +138,7 @@ def main(argv: list[str] | None = None) -> int:
         if config.run.nproc > 1 and not distributed.launched_size() and not serve_only:
             trainer = resolve_trainer(config.trainer.kind)(config)
             distributed.check_supported(trainer, config, config.run.nproc)
+            device.resolve(config.run.device)  # refused before any rank starts
             return launch.launch(args.config, args.overrides, config)
         if distributed.launched_size() > 1:
             return _rank_main(config, serve_only)
@@ -191,7 +192,7 @@ def _recipes(action: str | None, name: str, dest: str) -> int:
 
 def _rank_main(config: Config, serve_only: bool) -> int:
     """One torchrun rank: join the group, train (rank 0 owning the run directory), leave."""
-    world = distributed.init(config.run.collective_timeout_s)
+    world = distributed.init(config.run.collective_timeout_s, config.run.device)
     scratch: Path | None = None
     code = EXIT_ERROR
     try:

@@ -25,7 +25,7 @@ from __future__ import annotations
 import inspect
 import secrets
 from contextlib import AbstractContextManager, nullcontext
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import anyio
 import anyio.abc
@@ -34,7 +34,7 @@ from corun.base.config import Config
 from corun.base.errors import first_error
 from corun.base.rng import seed_everything
 from corun.contract.trainer import Batch, Outcome, SetupContext, Trainer, overrides
-from corun.execution import distributed, guest
+from corun.execution import device, distributed, guest
 from corun.execution.compute import abandoning, blocking_io, call_hook
 from corun.loop.cadence import Cadence
 from corun.loop.checkpointer import Checkpointer
@@ -52,6 +52,9 @@ from corun.loop.update import Updater
 from corun.records import checkpoint, rundir
 from corun.records.events import EventLog, Trace
 from corun.records.reporting import Reporter
+
+if TYPE_CHECKING:
+    import torch
 
 BARE = Extensions()  # no optional parts
 
@@ -71,13 +74,14 @@ async def run(
         session.control = control
     outcome: Outcome | None = None
     try:
+        run_device = device.use(config.run.device)  # refused before the run directory
         checkpoint.check_writable(config.run_dir)
         with guest.running():
             async with rundir.put_back_on_refusal(config.run_dir, config.loop.compute) as guard:
                 restored = await blocking_io(config.loop.compute, checkpoint.restore_point, config)
                 config.run_dir.mkdir(parents=True, exist_ok=True)
                 checkpoint.remove_partial_writes(config.run_dir)
-                parts = _Run(trainer, config, session, restored, extensions)
+                parts = _Run(trainer, config, session, restored, extensions, run_device)
                 outcome = await guard.watch(parts).run()
         return outcome
     finally:
@@ -90,8 +94,10 @@ class _Run:
     def __init__(
         self, trainer: Trainer[Any], config: Config, session: Session,
         restored: tuple[checkpoint.TrainerState, Any] | None, extensions: Extensions,
+        run_device: torch.device,
     ) -> None:  # fmt: skip
         self.trainer, self.config, self.session = trainer, config, session
+        self.device = run_device
         self.extensions = extensions
         self.control = control = session.control
         self.restored = restored
@@ -168,6 +174,7 @@ class _Run:
             "start", self.clock.step, run_id=self.run_id, resumed=self.restored is not None,
             steps=config.run.steps, config_digest=config.digest(),
             lane_threads=self.lanes.train.threads,  # None: following the free cores
+            **device.describe(self.device),
         )  # fmt: skip
         # Before this run's progress display starts: a prerequisite shows its own.
         await self.extensions.train_prerequisites(trainer, self.events, self.clock.step)
@@ -176,7 +183,7 @@ class _Run:
         # Model init draws from the global RNGs; seeded on the lane: the first seeding
         # imports numpy.random and reads source files, ~10 ms the host's loop would wait.
         await self.lanes.train.run(seed_everything, config.run.seed)
-        ctx = SetupContext(config, register=teardown.push)
+        ctx = SetupContext(config, register=teardown.push, device=self.device)
         ctx.lane = self.lanes.train
         # Episodes arrive from outside only through a host that embeds the run, or the
         # endpoint's capture: otherwise a trainer that waits on the inbox would wait forever.
