@@ -1,14 +1,15 @@
 """Where a model's weights come from and go: rebuilt from a checkpoint, warm-started
 from another run (trained first when a config names it), frozen copies (KL anchors,
 samplers), and the rollout side's copies (:class:`Replicas`), synced by
-:class:`ReplicatedRollouts`."""
+:class:`ReplicatedRollouts`; and batches to the run's device (:func:`to_device`)."""
 
 from __future__ import annotations
 
 import copy
+import dataclasses
 import threading
 from collections.abc import Callable, Iterator, Mapping
-from typing import Any, Generic, Protocol, Self, TypeVar
+from typing import Any, Generic, Protocol, Self, TypeVar, cast
 
 import msgspec
 import torch
@@ -21,6 +22,7 @@ from corun.records.prerequisites import checkpoint_for, is_config
 
 M = TypeVar("M", bound=nn.Module)
 R = TypeVar("R")
+B = TypeVar("B")
 State = dict[str, Tensor]
 
 
@@ -35,16 +37,34 @@ class Freezable(Protocol):
 F = TypeVar("F", bound=Freezable)
 
 
-def rebuild(model_cls: Callable[[Any], M], config_cls: type[Any], state: dict[str, Any]) -> M:
-    """The model of a trainer ``state_dict()`` (``model_config`` + ``model``).
+def rebuild(
+    model_cls: Callable[[Any], M], config_cls: type[Any], state: dict[str, Any],
+    device: torch.device | str = "cpu",
+) -> M:  # fmt: skip
+    """The model of a trainer ``state_dict()`` (``model_config`` + ``model``) on ``device``.
 
     Built on the meta device: no init work, and no draws from the global RNG.
     """
     with torch.device("meta"):
         model = model_cls(msgspec.convert(state["model_config"], config_cls))
-    model.to_empty(device="cpu")
+    model.to_empty(device=device)
     model.load_state_dict(state["model"])
     return model
+
+
+def to_device(batch: B, device: torch.device | str) -> B:
+    """``batch`` (a tensor, or a dataclass of them, nested) with its tensors on ``device``:
+    the one copy of a batch built on the CPU to the model's device. Tensors already
+    there are kept as they are (a CPU run copies nothing)."""
+    device = torch.device(device)
+    if isinstance(batch, Tensor):
+        moved = batch if batch.device == device else batch.to(device, non_blocking=True)
+        return cast(B, moved)
+    if dataclasses.is_dataclass(batch) and not isinstance(batch, type):
+        fields = dataclasses.fields(batch)
+        moves = {f.name: to_device(getattr(batch, f.name), device) for f in fields if f.init}
+        return cast(B, dataclasses.replace(batch, **moves))
+    return batch
 
 
 def warm_start(init_from: str, load: Callable[[dict[str, Any]], M], what: str) -> M:

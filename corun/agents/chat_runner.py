@@ -122,7 +122,10 @@ async def run_chat_episodes(
         room = min(max_len - episodes[i].length for i in active)
         turn_sampling = dataclasses.replace(sampling, max_tokens=min(sampling.max_tokens, room))
         transcripts = [episodes[i].prompt_ids + episodes[i].ids for i in active]
-        seed = int(torch.randint(0, 2**62, (1,), generator=ctx.generator))
+        # From the run's seeded stream, on its generator's device (the CPU: any device's
+        # run draws the same seeds); the engine samples with it on its own.
+        seed = int(torch.randint(0, 2**62, (1,), generator=ctx.generator,
+                                 device=ctx.generator.device))  # fmt: skip
         with ctx.span("turn", ctx.track, turn=turn, episodes=len(active)):
             generations = await generate(transcripts, turn_sampling, seed)
         replies = [_record_turn(episodes[i], talks[i], template, g)

@@ -41,7 +41,8 @@ class Generated(NamedTuple):
     lengths: Tensor  # (A,)
 
 
-# (transcripts (A, L), max new tokens) → the turn; blocking, run on a compute lane.
+# (transcripts (A, L), max new tokens) → the turn; blocking, run on a compute lane. The
+# transcripts are built on the CPU: the function takes them to its model's device.
 TurnFn = Callable[[Tensor, int], Generated]
 
 
@@ -86,7 +87,8 @@ async def run_episodes(
         transcripts = torch.tensor([episodes[i].prompt_ids + episodes[i].ids for i in active])
         with ctx.span("turn", ctx.track, turn=turn, episodes=len(active)):
             out = await ctx.compute(generate, transcripts, min(turn_tokens, room))
-        replies = [_record_turn(episodes[i], out, row, codec) for row, i in enumerate(active)]
+        lists = _Lists(*(values.tolist() for values in out))  # to the CPU once a turn
+        replies = [_record_turn(episodes[i], lists, row, codec) for row, i in enumerate(active)]
         steps: list[Step | None] = [None] * len(active)
         async with anyio.create_task_group() as tg:
             for row, i in enumerate(active):
@@ -114,14 +116,22 @@ async def run_episodes(
     return episodes
 
 
-def _record_turn(episode: Episode, out: Generated, row: int, codec: Codec) -> str:
+class _Lists(NamedTuple):
+    """A :class:`Generated` turn as lists: episodes are lists, so a turn's results come
+    from the policy's device in one copy each, not row by row."""
+
+    tokens: list[list[int]]
+    logprobs: list[list[float]]
+    versions: list[list[int]]
+    lengths: list[int]
+
+
+def _record_turn(episode: Episode, out: _Lists, row: int, codec: Codec) -> str:
     """Append a turn's sampled tokens (and its fillers) to ``episode``; its reply text."""
-    n = int(out.lengths[row])
-    ids = out.tokens[row, :n].tolist()
-    fillers = out.tokens.shape[1] - n
-    episode.add_turn(
-        ids, out.logprobs[row, :n].tolist(), out.versions[row, :n].tolist(), fillers, codec.pad
-    )
+    n = out.lengths[row]
+    ids = out.tokens[row][:n]
+    fillers = len(out.tokens[row]) - n
+    episode.add_turn(ids, out.logprobs[row][:n], out.versions[row][:n], fillers, codec.pad)
     return codec.decode(ids)
 
 

@@ -39,16 +39,16 @@ def positions(attention_mask: Tensor) -> Tensor:
     return (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
 
 
-def left_pad(rows: Sequence[Sequence[int]], pad_id: int) -> tuple[Tensor, Tensor]:
-    """Rows of ids left-padded to one length: (ids, mask of real tokens)."""
+def left_pad(
+    rows: Sequence[Sequence[int]], pad_id: int, device: torch.device | None = None
+) -> tuple[Tensor, Tensor]:
+    """Rows of ids left-padded to one length: (ids, mask of real tokens), made on
+    ``device`` (default: the CPU, where a batch of rollouts is built) in one copy each."""
     width = max(len(row) for row in rows)
-    ids = torch.full((len(rows), width), pad_id, dtype=torch.long)
-    mask = torch.zeros((len(rows), width), dtype=torch.bool)
-    for i, row in enumerate(rows):
-        if row:
-            ids[i, width - len(row) :] = torch.tensor(row)
-            mask[i, width - len(row) :] = True
-    return ids, mask
+    padded = [[pad_id] * (width - len(row)) + list(row) for row in rows]
+    real = [[False] * (width - len(row)) + [True] * len(row) for row in rows]
+    ids = torch.tensor(padded, dtype=torch.long, device=device)
+    return ids, torch.tensor(real, dtype=torch.bool, device=device)
 
 
 def top_p_log_probs(logits: Tensor, top_p: float) -> Tensor:
@@ -69,14 +69,18 @@ def generate(
     generator: torch.Generator | None, pad_id: int,
     weights_version: Callable[[], int] = lambda: 0,
 ) -> list[Generation]:  # fmt: skip
-    """One continuation per prompt; ``temperature`` 0 is greedy and draws nothing."""
+    """One continuation per prompt; ``temperature`` 0 is greedy and draws nothing.
+    Computes on the model's device (``generator`` must be on it too); the results come
+    back to the CPU once, at the end."""
     model = policy.model
     was_training = model.training
     model.eval()
-    ids, mask = left_pad(prompts, pad_id)
+    device = next(model.parameters()).device
+    ids, mask = left_pad(prompts, pad_id, device)
     batch = ids.shape[0]
-    stops = torch.tensor(sampling.stop_ids or (-1,))
-    done = torch.zeros(batch, dtype=torch.bool)
+    stop_ids = sampling.stop_ids or (-1,)
+    stops = torch.tensor(stop_ids, device=device)
+    done = torch.zeros(batch, dtype=torch.bool, device=device)
     tokens: list[Tensor] = []
     logprobs: list[Tensor] = []
     tops: list[tuple[Tensor, Tensor]] = []  # per step: (ids, log-probs), with top_logprobs
@@ -107,12 +111,12 @@ def generate(
         logprobs.append(logprob.masked_fill(done, 0.0))
         done |= torch.isin(token, stops)
         ids = torch.cat([ids, token[:, None]], dim=1)
-        mask = torch.cat([mask, torch.ones(batch, 1, dtype=torch.bool)], dim=1)
+        mask = torch.cat([mask, torch.ones(batch, 1, dtype=torch.bool, device=device)], dim=1)
         step_ids = token[:, None]
         if bool(done.all()):
             break
     model.train(was_training)
-    return _generations(tokens, logprobs, versions, stops, tops)
+    return _generations(tokens, logprobs, versions, set(stop_ids), tops)
 
 
 def _draw(
@@ -131,12 +135,11 @@ def _draw(
 
 
 def _generations(
-    tokens: list[Tensor], logprobs: list[Tensor], versions: list[int], stops: Tensor,
+    tokens: list[Tensor], logprobs: list[Tensor], versions: list[int], stop_ids: set[int],
     tops: list[tuple[Tensor, Tensor]],
 ) -> list[Generation]:  # fmt: skip
     if not tokens:
         return []
-    stop_ids = set(stops.tolist())
     out = []
     rows = zip(torch.stack(tokens, 1).tolist(), torch.stack(logprobs, 1).tolist(), strict=True)
     top_ids = torch.stack([ids for ids, _ in tops], 1).tolist() if tops else None

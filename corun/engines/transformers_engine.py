@@ -57,13 +57,15 @@ class _Update:
 class TransformersEngine:
     """Samples from its own copy of ``policy.model``, the model it decodes (it is a
     :class:`decode.CausalLM` itself), its floating-point weights in ``dtype`` (default:
-    the policy's)."""
+    the policy's), on the policy's device (the run's)."""
 
     def __init__(
         self, policy: decode.CausalLM, pad_id: int, lane: Lane, *, owns_lane: bool,
         interrupt: bool, dtype: torch.dtype | None = None,
     ) -> None:  # fmt: skip
+        # On the policy's device (the run's): generation computes there.
         self.model = copy.deepcopy(policy.model).eval()
+        self.device = next(self.model.parameters()).device
         for parameter in self.model.parameters():
             parameter.requires_grad_(False)
         if dtype is not None:
@@ -104,7 +106,8 @@ class TransformersEngine:
     def _generate(
         self, prompts: list[list[int]], sampling: Sampling, seed: int
     ) -> list[Generation]:
-        generator = torch.Generator().manual_seed(seed)
+        # Drawn on the model's device: the CPU's stream on a CPU run, as before.
+        generator = torch.Generator(self.device).manual_seed(seed)
         return decode.generate(
             self, prompts, sampling, generator, self.pad_id, self._current_weights
         )

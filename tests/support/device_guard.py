@@ -84,7 +84,7 @@ def guarding() -> Iterator[DeviceGuard]:
     try:
         for name, original in saved.items():
             setattr(torch, name, factory(name, original))
-        torch.Tensor.to, torch.Tensor.cpu = moved_to, moved_cpu  # type: ignore[method-assign]
+        torch.Tensor.to, torch.Tensor.cpu = moved_to, moved_cpu  # type: ignore[method-assign,assignment]
         yield guard
     finally:
         for name, original in saved.items():

@@ -19,6 +19,7 @@ from corun.execution import parallel
 from trainers.agentic import calculator
 from trainers.agentic.calculator import CalculatorEnv, EnvSettings, Problem
 from trainers.lm.model import ModelConfig, TinyLM, decode
+from trainers.weights import to_device
 
 CODEC = Codec(calculator.encode, calculator.decode, calculator.encode_observation, calculator.PAD)
 MakeEnv = Callable[[int, int, EnvSettings], Environment]  # (data index, row, settings)
@@ -59,10 +60,11 @@ async def run_agent(
 
 async def evaluate_agent(
     policy: TinyLM, problems: list[Problem], settings: EnvSettings, lane: Lane | None,
-    make_env: MakeEnv,
+    make_env: MakeEnv, device: torch.device,
 ) -> dict[str, float]:  # fmt: skip
     """Greedy episodes on held-out problems without tool latency (its cost is not the
-    policy's), generation on ``lane``: ``eval/reward``, ``eval/success``, ..."""
+    policy's), generation on ``lane`` and ``device`` (the policy's): ``eval/reward``,
+    ``eval/success``, ..."""
     settings = msgspec.structs.replace(settings, latency_ms=0.0)
     envs = [make_env(-1, row, settings) for row in range(len(problems))]
     ctx = RolloutContext(-1, torch.Generator(), lane=lane, track="eval")
@@ -70,7 +72,8 @@ async def evaluate_agent(
     def greedy(transcripts: Tensor, width: int) -> Generated:
         policy.eval()
         with parallel.gathered(policy):  # decoding enters the model past its hooks
-            out = decode(policy, transcripts, width, stop_id=calculator.EOS)
+            # The runner's transcripts are built on the CPU: to the policy, once a turn.
+            out = decode(policy, to_device(transcripts, device), width, stop_id=calculator.EOS)
         is_eos = out.tokens == calculator.EOS
         lengths = ((is_eos.cumsum(dim=1) - is_eos.long()) == 0).sum(dim=1)
         return Generated(out.tokens, out.logprobs, out.versions.expand_as(out.tokens), lengths)

@@ -45,6 +45,7 @@ from trainers.lm.ppo import PPO, PPOConfig
 from trainers.lm.rl import TinyLMPolicyGradient
 from trainers.lm.settings import PositiveInt, with_settings
 from trainers.pg import fill_failed
+from trainers.weights import to_device
 
 # Where episodes come from: the trainer's own environments, or submitted from outside
 # (a host's agents through corun.training's session, or the endpoint's capture).
@@ -120,7 +121,9 @@ class AgenticEpisodes(TinyLMPolicyGradient[Any]):
         rewards = torch.tensor([e.reward for e in episodes])
         prompts = [calculator.decode(e.prompt_ids) for e in episodes]
         trainable = torch.tensor([e.trainable for e in episodes])
-        scored = Scored(rollouts, prompts, fill_failed(rewards, trainable, n))
+        # Built from the episodes on the CPU; to the run's device once, whole.
+        scored = to_device(Scored(rollouts, prompts, fill_failed(rewards, trainable, n)),
+                           self.device)  # fmt: skip
         metrics = {f"rollout/{k}": v for k, v in episode_metrics(episodes, tasks).items()}
         metrics["perf/env_wait_time_s"] = sum(e.env_wait_s for e in episodes)
         return Batch(self.algorithm.training_data(scored), metrics, version=rollouts.version)
@@ -148,8 +151,9 @@ class AgenticEpisodes(TinyLMPolicyGradient[Any]):
     # ---- evaluation: greedy episodes on held-out problems, no tool latency
     async def evaluate(self) -> dict[str, float]:
         return await evaluate_agent(
-            self.policy, self.eval_problems, self.config.env, self.train_lane, self.make_env
-        )
+            self.policy, self.eval_problems, self.config.env, self.train_lane, self.make_env,
+            self.device,
+        )  # fmt: skip
 
 
 def episode_rollouts(episodes: list[Episode], pad_id: int, version: int) -> Rollouts:

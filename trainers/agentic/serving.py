@@ -99,7 +99,7 @@ class CalculatorPolicy:
         """On the lane: the prompts a length at a time (in order of first appearance),
         every draw from one generator."""
         engine = self._engine()
-        generator = torch.Generator().manual_seed(seed)
+        generator = torch.Generator(engine.device).manual_seed(seed)  # draws where it samples
         rows: dict[int, list[int]] = {}
         for row, prompt in enumerate(prompts):
             rows.setdefault(len(prompt), []).append(row)

@@ -27,6 +27,7 @@ from trainers.agentic.policy import build_agent, calculator_env, evaluate_agent
 from trainers.lm.policy import load_policy_state, policy_state, sharded
 from trainers.lm.sft import masked_loss_sum
 from trainers.lm.tasks import TokenBatch
+from trainers.weights import to_device
 
 PositiveInt = Annotated[int, msgspec.Meta(ge=1)]
 NonNegativeFloat = Annotated[float, msgspec.Meta(ge=0)]
@@ -83,7 +84,9 @@ class AgenticSFTTrainer(Trainer[AgenticSFTConfig]):
 
     def setup(self, ctx: SetupContext) -> None:
         cfg = self.config
-        self.model = sharded(build_agent(cfg), ctx.config.run.parallel)
+        # On the run's device before sharding and the optimizer.
+        self.device = ctx.device
+        self.model = sharded(build_agent(cfg).to(self.device), ctx.config.run.parallel)
         self.optimizer = torch.optim.AdamW(
             self.model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay
         )
@@ -99,6 +102,10 @@ class AgenticSFTTrainer(Trainer[AgenticSFTConfig]):
     def rollout(self, problems: list[Problem], ctx: RolloutContext) -> Batch:
         return Batch(encode_demonstrations(problems))
 
+    def prepare(self, batch: Batch) -> TokenBatch:
+        """The demonstrations (tokenised on the CPU) to the model's device, once."""
+        return to_device(batch.data, self.device)
+
     def loss(self, batch: Batch, part: Part) -> tuple[torch.Tensor, dict[str, float]]:
         tokens: TokenBatch = batch.data.rows(part.mini_rows(len(batch.data)))
         self.model.train()
@@ -113,8 +120,9 @@ class AgenticSFTTrainer(Trainer[AgenticSFTConfig]):
             return calculator_env(seed, index, row, settings)
 
         return await evaluate_agent(
-            self.model, self.eval_problems, self.config.env, self.train_lane, make_env
-        )
+            self.model, self.eval_problems, self.config.env, self.train_lane, make_env,
+            self.device,
+        )  # fmt: skip
 
     def state_dict(self) -> dict[str, Any]:
         return policy_state(self.model, self.optimizer, self.config.task)

@@ -22,6 +22,7 @@ C = TypeVar("C", bound=FlowTrainerConfig)
 
 class FlowTrainer(Trainer[C]):
     model: FlowDiT
+    device: torch.device  # the run's: models, batches, noise and losses; rewards on the CPU
     # Whether finish_setup shards the model under torchrun (run.parallel); the prompt
     # enhancer, which trains a text policy beside it, does not yet.
     shards_model = False
@@ -30,9 +31,11 @@ class FlowTrainer(Trainer[C]):
     jitter: float = 1.0
 
     def finish_setup(self, ctx: SetupContext, lr: float) -> None:
-        """The optimizer over ``self.model`` (the subclass registers it, if it trains the
-        model) and the held-out evaluation."""
+        """``self.model`` on the run's device (``self.device``), its optimizer (the
+        subclass registers it, if it trains the model) and the held-out evaluation."""
         cfg = self.config
+        self.device = ctx.device
+        self.model.to(self.device)  # before its copies, its shards and its optimizer
         if self.shards_model:  # run.parallel = "fsdp": a unit per block
             self.sampler_source = whole_copy(self.model)  # sampling holds whole weights
             parallel.parallelize(
@@ -42,7 +45,7 @@ class FlowTrainer(Trainer[C]):
             self.model.parameters(), lr=lr, weight_decay=cfg.weight_decay
         )
         samples = ctx.config.run_dir / "samples"
-        self.held_out = HeldOutEval(cfg.eval_size, self.jitter, samples, cfg.grid_size)
+        self.held_out = HeldOutEval(cfg.eval_size, self.jitter, samples, cfg.grid_size, self.device)
 
     def dataset(self) -> Dataset:
         if self.run_config.data.path:

@@ -39,6 +39,7 @@ from trainers.pg import (
     group_advantages,
     zero_std_groups,
 )
+from trainers.weights import to_device
 
 UnitFloat = Annotated[float, msgspec.Meta(gt=0, le=1)]
 NonNegativeFloat = Annotated[float, msgspec.Meta(ge=0)]
@@ -91,12 +92,12 @@ class Sampling:
 class ImageGroups:
     """Scored SDE samples, ``samples_per_prompt`` consecutive rows per condition."""
 
-    trajectory: Trajectory
-    rewards: Tensor  # (N,)
-    advantages: Tensor  # (N,), clipped to ±adv_clip_max
+    trajectory: Trajectory  # on the sampler's device
+    rewards: Tensor  # (N,), on the CPU
+    advantages: Tensor  # (N,), clipped to ±adv_clip_max, on the trajectory's device
     steps: list[int]  # the denoising steps to train on
-    # Each image's colour and position rewards too (a prompt enhancer credits each
-    # rewrite token with the part of the reward it controls).
+    # Each image's colour and position rewards too, on the CPU (a prompt enhancer
+    # credits each rewrite token with the part of the reward it controls).
     scores: Rewards | None = None
 
     def __len__(self) -> int:
@@ -122,16 +123,19 @@ def sample_groups(
     sampler: VelocityModel, conditions: Tensor, targets: Tensor, settings: FlowGRPOSettings,
     sampling: Sampling, generator: torch.Generator,
 ) -> tuple[ImageGroups, dict[str, float]]:  # fmt: skip
-    """``samples_per_prompt`` images for each row of ``conditions`` (prompt tokens),
-    scored against ``targets`` (the attributes asked for: the same tokens, or the
-    user's intent behind a rewritten prompt); all draws from ``generator``."""
+    """``samples_per_prompt`` images for each row of ``conditions`` (prompt tokens, on
+    the sampler's device), scored against ``targets`` (the attributes asked for, on the
+    CPU: the same tokens, or the user's intent behind a rewritten prompt); all draws
+    from ``generator``. The images are scored on the CPU (by design); the advantages
+    go to the device of ``conditions``, where the loss uses them."""
     n = settings.samples_per_prompt
     trajectory = sample_sde(
         sampler, conditions.repeat_interleave(n, dim=0), num_steps=sampling.num_steps,
         noise_level=settings.noise_level, shift=sampling.shift, cfg_scale=sampling.cfg_scale,
         generator=generator,
     )  # fmt: skip
-    rewards = score(trajectory.images, targets.repeat_interleave(n, dim=0), settings.color_weight)
+    images = trajectory.images.cpu()  # once per rollout: the rewards are computed on the CPU
+    rewards = score(images, targets.repeat_interleave(n, dim=0), settings.color_weight)
     advantages = group_advantages(rewards.total, n, settings.adv_scope, settings.adv_std_norm)
     trained = max(1, math.ceil(sampling.num_steps * settings.timestep_fraction))
     if settings.timestep_choice == "first":
@@ -146,6 +150,7 @@ def sample_groups(
         "zero_std_group_ratio": float(zero_std_groups(rewards.total, n).float().mean()),
     }
     clipped = advantages.clamp(-settings.adv_clip_max, settings.adv_clip_max)
+    clipped = to_device(clipped, conditions.device)
     return ImageGroups(trajectory, rewards.total, clipped, steps, rewards), metrics
 
 
@@ -181,7 +186,7 @@ def flow_grpo_step_loss(
         logp, old_logp, advantages, settings.clip_range, settings.clip_range
     )
     loss = mean_over(per_image, shared)
-    kl = torch.zeros(())
+    kl = torch.zeros((), device=logp.device)
     if reference is not None:
         with torch.no_grad():
             anchor = step_log_prob(reference, trajectory, step).mean

@@ -34,6 +34,7 @@ from trainers.weights import (
     frozen_copy,
     gathered_state,
     kl_anchor,
+    to_device,
     warm_start_runs,
 )
 
@@ -65,14 +66,15 @@ class FlowGRPOTrainer(ReplicatedRollouts, FlowTrainer[FlowGRPOConfig]):
         cfg = self.config
         check_data_parallel(cfg.grpo)
         self.model = model_from(cfg.init_from) if cfg.init_from else build_model(cfg.model_config())
-        self.reference = kl_anchor(self.model, cfg.grpo.kl_coef)
-        self.finish_setup(ctx, cfg.lr)
+        self.finish_setup(ctx, cfg.lr)  # the model on the run's device
         ctx.add_optimizer(self.optimizer, grad_clip=cfg.grad_clip)
+        # The model as it starts, whole (a copy where it is sharded), on the device.
+        whole, self.sampler_source = self.sampler_source or self.model, None
+        self.reference = kl_anchor(whole, cfg.grpo.kl_coef)
         # The sampler is the rollout engine: its own weights, replaced only by a sync.
         # Rollout workers on other threads (concurrency > 1) use replicas of it.
-        whole, self.sampler_source = self.sampler_source or self.model, None
         self.replicas: Replicas[FlowDiT] = Replicas(
-            frozen_copy(whole), sampler_replica(whole), load_weights,
+            frozen_copy(whole), sampler_replica(whole, self.device), load_weights,
             initial=self.rollout_weights(), ctx=ctx,
         )  # fmt: skip
         self.sampler = self.replicas.home
@@ -80,9 +82,10 @@ class FlowGRPOTrainer(ReplicatedRollouts, FlowTrainer[FlowGRPOConfig]):
     # ---- rollout
     def rollout(self, inputs: ShapeBatch, ctx: RolloutContext) -> Batch:
         sampler, version = self.replicas.local(ctx.version)
+        # The prompts condition the sampler on the device; the rewards read them on the CPU.
         groups, metrics = sample_groups(
-            sampler, inputs.tokens, inputs.tokens, self.config.grpo, self.config.sampling,
-            ctx.generator,
+            sampler, to_device(inputs.tokens, self.device), inputs.tokens, self.config.grpo,
+            self.config.sampling, ctx.generator,
         )  # fmt: skip
         return Batch(groups, {f"rollout/{k}": v for k, v in metrics.items()}, version=version)
 
@@ -110,10 +113,12 @@ class FlowGRPOTrainer(ReplicatedRollouts, FlowTrainer[FlowGRPOConfig]):
         return gathered_state(self.model)
 
 
-def sampler_replica(model: FlowDiT) -> Any:
-    """Builds a frozen sampler of ``model``'s shape from published weights."""
+def sampler_replica(model: FlowDiT, device: torch.device) -> Any:
+    """Builds a frozen sampler of ``model``'s shape on ``device`` from published weights."""
     config = msgspec.structs.asdict(model.config)
-    return lambda state, version: frozen_copy(load_model({"model_config": config, "model": state}))
+    return lambda state, version: frozen_copy(
+        load_model({"model_config": config, "model": state}, device)
+    )
 
 
 def load_weights(model: FlowDiT, state: dict[str, Tensor], version: int = 0) -> None:

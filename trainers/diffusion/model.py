@@ -59,7 +59,7 @@ def timestep_embedding(t: Tensor, dim: int) -> Tensor:
     Computed in float32, or in float64 for a float64 t (a model built in float64)."""
     half = dim // 2
     dtype = torch.float64 if t.dtype == torch.float64 else torch.float32
-    freqs = torch.exp(-math.log(10_000.0) * torch.arange(half, dtype=dtype) / half)
+    freqs = torch.exp(-math.log(10_000.0) * torch.arange(half, dtype=dtype, device=t.device) / half)
     angles = 1000.0 * t.to(dtype).unsqueeze(1) * freqs.unsqueeze(0)
     return torch.cat([angles.cos(), angles.sin()], dim=1)
 
@@ -153,9 +153,10 @@ def build_model(config: FlowModelConfig) -> FlowDiT:
     return FlowDiT(config)
 
 
-def load_model(state: dict[str, Any]) -> FlowDiT:
-    """Rebuild the FlowDiT of a trainer ``state_dict()`` (``model_config`` + ``model``)."""
-    return rebuild(FlowDiT, FlowModelConfig, state)
+def load_model(state: dict[str, Any], device: torch.device | str = "cpu") -> FlowDiT:
+    """Rebuild the FlowDiT of a trainer ``state_dict()`` (``model_config`` + ``model``) on
+    ``device``."""
+    return rebuild(FlowDiT, FlowModelConfig, state, device)
 
 
 def model_from(init_from: str) -> FlowDiT:

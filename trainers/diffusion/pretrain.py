@@ -23,6 +23,7 @@ from trainers.diffusion.model import build_model, load_model, model_from
 from trainers.diffusion.sampling import flow_matching_loss
 from trainers.diffusion.settings import FlowTrainerConfig, NonNegativeFloat
 from trainers.diffusion.shapes import NULL, ShapeBatch
+from trainers.weights import to_device
 
 __all__ = ["FlowPretrainConfig", "FlowPretrainTrainer", "load_model", "model_from"]
 
@@ -56,7 +57,9 @@ class FlowBatch:
 
 
 def flow_batch(data: ShapeBatch, generator: torch.Generator, cond_dropout: float) -> FlowBatch:
-    """Draw times, noise and condition dropout for ``data`` from ``generator``."""
+    """Draw times, noise and condition dropout for ``data`` from ``generator``: on the
+    CPU by design (the data's and the generator's device), so a seed gives the same
+    batch on every device."""
     n = len(data)
     t = torch.rand(n, generator=generator)
     noise = torch.randn(data.images.shape, generator=generator)
@@ -80,6 +83,10 @@ class FlowPretrainTrainer(FlowTrainer[FlowPretrainConfig]):
     def rollout(self, inputs: ShapeBatch, ctx: RolloutContext) -> Batch:
         """The build phase: draw the flow-matching randomness; nothing is generated."""
         return Batch(data=flow_batch(inputs, ctx.generator, self.config.cond_dropout))
+
+    def prepare(self, batch: Batch) -> FlowBatch:
+        """The batch (built on the CPU) to the model's device, once."""
+        return to_device(batch.data, self.device)
 
     def loss(self, batch: Batch, part: Part) -> tuple[Tensor, dict[str, float]]:
         data: FlowBatch = batch.data

@@ -24,6 +24,10 @@ recorded log-probs are NaN.
 Classifier-free guidance: ``v = v_uncond + s·(v_cond − v_uncond)``, the
 unconditional branch using the all-``NULL`` prompt; ``s = 1`` runs the conditional
 branch alone. All randomness comes from the optional ``generator``.
+
+The samplers compute where the prompt tokens are (the model's device). The noise is
+drawn on the CPU from the (CPU) ``generator`` and moved there: the same seed gives the
+same samples on every device.
 """
 
 from __future__ import annotations
@@ -38,6 +42,7 @@ from torch import Tensor
 
 from trainers.diffusion.model import FlowModelConfig
 from trainers.diffusion.shapes import NULL
+from trainers.weights import to_device
 
 
 class VelocityModel(Protocol):
@@ -48,15 +53,15 @@ class VelocityModel(Protocol):
     def __call__(self, x: Tensor, t: Tensor, tokens: Tensor) -> Tensor: ...
 
 
-def timesteps(num_steps: int, shift: float = 1.0) -> Tensor:
-    """The time grid, (num_steps + 1,) from 1 down to 0.
+def timesteps(num_steps: int, shift: float = 1.0, device: torch.device | None = None) -> Tensor:
+    """The time grid, (num_steps + 1,) from 1 down to 0, on ``device``.
 
     ``shift > 1`` spends more steps near the noise end (SD3's ``s·t / (1 + (s − 1)·t)``);
     ``shift = 1`` is uniform.
     """
     if num_steps < 1 or shift <= 0:
         raise ValueError(f"need num_steps >= 1 and shift > 0, got {num_steps}, {shift}")
-    t = torch.linspace(1.0, 0.0, num_steps + 1)
+    t = torch.linspace(1.0, 0.0, num_steps + 1, device=device)
     shifted = shift * t / (1 + (shift - 1) * t)
     shifted[0] = 1.0  # exactly: float32 rounding of s / s can land a step off 1
     return shifted
@@ -109,10 +114,21 @@ def gaussian_log_prob(x: Tensor, mean: Tensor, std: Tensor) -> Tensor:
     return log_density.flatten(1).sum(dim=1)
 
 
-def initial_noise(n: int, model: VelocityModel, generator: torch.Generator | None) -> Tensor:
+def cpu_noise(
+    shape: tuple[int, ...], generator: torch.Generator | None, device: torch.device
+) -> Tensor:
+    """Gaussian noise on ``device``, drawn on the CPU by design: ``generator`` is a CPU
+    one, and its stream (the samples) must not depend on the device."""
+    return to_device(torch.randn(shape, generator=generator), device)
+
+
+def initial_noise(
+    model: VelocityModel, tokens: Tensor, generator: torch.Generator | None
+) -> Tensor:
+    """x at t = 1 for the prompts ``tokens``, on their device."""
     config = model.config
-    shape = (n, config.channels, config.image_size, config.image_size)
-    return torch.randn(shape, generator=generator)
+    shape = (tokens.shape[0], config.channels, config.image_size, config.image_size)
+    return cpu_noise(shape, generator, tokens.device)
 
 
 # ----------------------------------------------------------------------------- samplers
@@ -130,8 +146,8 @@ def sample_ode(
     generator: torch.Generator | None = None,
 ) -> Tensor:
     """Images (N, C, H, W) from the Euler ODE sampler; ``noise`` is x at t = 1."""
-    x = initial_noise(tokens.shape[0], model, generator) if noise is None else noise
-    grid = timesteps(num_steps, shift)
+    x = initial_noise(model, tokens, generator) if noise is None else noise
+    grid = timesteps(num_steps, shift, tokens.device)
     for i in range(num_steps):
         v = velocity(model, x, grid[i], tokens, cfg_scale)
         x = x + v * (grid[i + 1] - grid[i])
@@ -181,19 +197,19 @@ def sample_sde(
     generator: torch.Generator | None = None,
 ) -> Trajectory:
     """Sample with the SDE sampler, recording every latent and transition log-prob."""
-    x = initial_noise(tokens.shape[0], model, generator) if noise is None else noise
-    grid = timesteps(num_steps, shift)
+    x = initial_noise(model, tokens, generator) if noise is None else noise
+    grid = timesteps(num_steps, shift, tokens.device)
     sigmas = sde_sigmas(grid, noise_level)
     latents, log_probs = [x], []
     for i in range(num_steps):
         v = velocity(model, x, grid[i], tokens, cfg_scale)
         mean, std = transition(x, v, grid[i], grid[i + 1], sigmas[i])
         if noise_level > 0:
-            x = mean + std * torch.randn(x.shape, generator=generator)
+            x = mean + std * cpu_noise(x.shape, generator, x.device)
             log_probs.append(gaussian_log_prob(x, mean, std))
         else:  # the ODE step itself: mean == x + v·Δt exactly, and there is no density
             x = mean
-            log_probs.append(torch.full((x.shape[0],), math.nan))
+            log_probs.append(torch.full((x.shape[0],), math.nan, device=x.device))
         latents.append(x)
     return Trajectory(
         latents=torch.stack(latents, dim=1), log_probs=torch.stack(log_probs, dim=1),
@@ -260,4 +276,5 @@ def mean_over(values: Tensor, shared: Callable[[Tensor], Tensor] | None) -> Tens
     every rank's elements; at world size 1 the same float as ``mean``)."""
     if shared is None:
         return values.mean()
-    return values.sum() / shared(torch.tensor(float(values.numel()), dtype=values.dtype))
+    count = torch.tensor(float(values.numel()), dtype=values.dtype, device=values.device)
+    return values.sum() / shared(count)

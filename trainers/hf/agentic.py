@@ -52,6 +52,7 @@ from trainers.lm.policy_gradient import Scored
 from trainers.lm.ppo import PPO
 from trainers.lm.settings import with_settings
 from trainers.pg import fill_failed
+from trainers.weights import to_device
 
 # The environment of episode ``row`` of the rollout of data ``index`` (-1: evaluation).
 MakeEnv = Callable[[int, int, EnvSettings], ChatEnvironment]
@@ -130,11 +131,13 @@ class HFAgentic(HFRollouts):
         rewards = torch.tensor([e.reward for e in episodes])
         trainable = torch.tensor([e.trainable for e in episodes])
         prompts = [self.template.decode(e.prompt_ids) for e in episodes]
-        scored = Scored(rollouts, prompts, fill_failed(rewards, trainable, n))
         metrics = {f"rollout/{k}": v for k, v in chat_episode_metrics(episodes).items()}
         metrics["rollout/partial_ratio"] = float(rollouts.spans_versions().float().mean())
         metrics["perf/env_wait_time_s"] = sum(e.env_wait_s for e in episodes)
         version = rollouts.version
+        # Built on the CPU from the episodes; to the run's device once.
+        scored = to_device(Scored(rollouts, prompts, fill_failed(rewards, trainable, n)),
+                           self.device)  # fmt: skip
         data = self.algorithm.training_data(scored)
         return Batch(data, metrics, version=version, weights=self.weights(version))
 

@@ -28,9 +28,7 @@ from trainers.hf.agentic import calculator_envs, check_turn_tokens, evaluate_cha
 from trainers.hf.lora import LoraSettings
 from trainers.hf.rl import chat_template, check_hf_config, max_len
 from trainers.hf.sft import HFSFTTrainer
-from trainers.hf.state import load_model
 from trainers.hf.tools import TOOLS, demonstration
-from trainers.hf.training import prepare_policy
 from trainers.lm.settings import PositiveInt
 from trainers.lm.sft import SFTConfig
 from trainers.lm.tasks import TokenBatch
@@ -84,9 +82,7 @@ class HFAgenticSFTTrainer(HFSFTTrainer):
 
     def setup(self, ctx: SetupContext) -> None:
         cfg = self.config
-        self.train_lane = ctx.lane
-        self.model, tokenizer = load_model(cfg.model, "", "`$.trainer.model`")
-        prepare_policy(self.model, cfg, self.run_config)
+        tokenizer = self.setup_model(ctx)
         self.template = chat_template(self.model, tokenizer, cfg)
         self.setup_optimizer(ctx)
         self.eval_problems = calculator.eval_problems(cfg.eval_size)

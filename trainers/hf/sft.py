@@ -8,7 +8,7 @@ warm-start ``hf_grpo`` and ``hf_ppo`` (``init_from``).
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import msgspec
 import torch
@@ -28,6 +28,10 @@ from trainers.hf.training import prepare_policy
 from trainers.lm.settings import PositiveInt
 from trainers.lm.sft import SFTConfig, SFTTrainer, masked_loss_sum
 from trainers.lm.tasks import TokenBatch, teacher_forcing
+from trainers.weights import to_device
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
 
 
 class HFSFTConfig(SFTConfig, frozen=True, forbid_unknown_fields=True, kw_only=True):
@@ -58,11 +62,18 @@ class HFSFTTrainer(SFTTrainer):
     def model_groups(self, lr: float) -> list[dict[str, Any]]:
         return param_groups(self.model, self.config.lora, lr)
 
+    def setup_model(self, ctx: SetupContext) -> PreTrainedTokenizerBase:
+        """The policy (``self.model``) on the run's device, with its LoRA adapters and
+        sharding (fully_shard shards it where it is); returns its tokenizer."""
+        self.train_lane, self.device = ctx.lane, ctx.device
+        self.model, tokenizer = load_model(self.config.model, "", "`$.trainer.model`",
+                                           self.device)  # fmt: skip
+        prepare_policy(self.model, self.config, self.run_config)
+        return tokenizer
+
     def setup(self, ctx: SetupContext) -> None:
         cfg = self.config
-        self.train_lane = ctx.lane
-        self.model, tokenizer = load_model(cfg.model, "", "`$.trainer.model`")
-        prepare_policy(self.model, cfg, self.run_config)
+        tokenizer = self.setup_model(ctx)
         self.chat = ChatFormat(tokenizer, cfg.system_prompt)
         self.rewards = Rewards(
             cfg.rewards, "`$.trainer.rewards`", self.run_config.run.reward_timeout_s
@@ -73,7 +84,7 @@ class HFSFTTrainer(SFTTrainer):
         self.held_out_examples = held_out[: cfg.eval_size]
         self.chat.check([e.prompt for e in self.held_out_examples], "`$.data.path`")
         examples = self.held_out_examples
-        self.held_out_tokens = self.encode(examples) if examples else None
+        self.held_out_tokens = to_device(self.encode(examples), self.device) if examples else None
 
     def dataset(self) -> Dataset:
         data, seed = self.run_config.data, self.run_config.run.seed

@@ -64,7 +64,9 @@ def load_hf_state(
     modules: Mapping[str, nn.Module] = {},
 ) -> None:  # fmt: skip
     """Restore :func:`hf_state`; a checkpoint of another model, or with adapters where
-    the run has none (or the other way), is refused."""
+    the run has none (or the other way), is refused. The saved tensors are copied into
+    the policy's parameters, and the optimizer's state is moved to theirs, so a
+    checkpoint saved on another device resumes on this run's."""
     from torch.distributed.checkpoint.state_dict import set_optimizer_state_dict
 
     check_same_model(state, policy, "checkpoint")
@@ -106,9 +108,12 @@ def check_same_model(state: dict[str, Any], policy: HFPolicy, what: str) -> None
         )
 
 
-def load_model(spec: str, init_from: str, where: str) -> tuple[HFPolicy, PreTrainedTokenizerBase]:
+def load_model(
+    spec: str, init_from: str, where: str, device: torch.device | str = "cpu"
+) -> tuple[HFPolicy, PreTrainedTokenizerBase]:
     """The model of ``spec`` (``hf:<dir>``), with the weights of the checkpoint
-    ``init_from`` names (a directory, or a run's config) when given."""
+    ``init_from`` names (a directory, or a run's config) when given, on ``device`` (the
+    run's: loaded on the CPU, then moved once)."""
     policy, tokenizer = load_policy(spec, where)
     if init_from:
         path = checkpoint_for(init_from)
@@ -119,7 +124,7 @@ def load_model(spec: str, init_from: str, where: str) -> tuple[HFPolicy, PreTrai
         check_same_model(state, policy, f"warm start {path}")
         policy.model.load_state_dict(whole_weights(state, path))
         policy.base_checkpoint = str(path)  # type: ignore[assignment]  # see hf_state
-    return policy, tokenizer
+    return policy.to(device), tokenizer
 
 
 def whole_weights(state: dict[str, Any], path: Path) -> dict[str, Tensor]:

@@ -93,7 +93,8 @@ class HFTrainingModel:
     def __init__(self, base: HFPolicy, info: ModelInfo, shape: LoraShape, seed: int) -> None:
         if not 1 <= shape.rank <= MAX_RANK:
             raise RequestError(f"lora_config.rank = {shape.rank}: expected 1..{MAX_RANK}")
-        self.policy = copy.deepcopy(base)
+        self.policy = copy.deepcopy(base)  # on the base's device (the run's)
+        self.device = next(base.parameters()).device
         settings = LoraSettings(
             rank=shape.rank, alpha=LORA_ALPHA, target_modules=target_modules(base, shape)
         )
@@ -128,15 +129,15 @@ class HFTrainingModel:
             with torch.set_grad_enabled(backward):
                 logprobs = self._target_logprobs(chunk)
                 losses = [
-                    terms(lp, datum.inputs, loss_config)
+                    terms(lp, _on(datum.inputs, self.device), loss_config)
                     for lp, datum in zip(logprobs, chunk, strict=True)
                 ]
                 chunk_loss = torch.stack([term.sum() for term in losses]).sum()
                 if backward:
                     chunk_loss.backward()
             total += float(chunk_loss.detach())
-            outputs += [
-                {"logprobs": lp.detach(), "elementwise_loss": term.detach()}
+            outputs += [  # for the client: on the CPU
+                {"logprobs": lp.detach().cpu(), "elementwise_loss": term.detach().cpu()}
                 for lp, term in zip(logprobs, losses, strict=True)
             ]
         return ForwardResult(outputs, {"loss:sum": total})
@@ -146,7 +147,8 @@ class HFTrainingModel:
         return int(self.policy.model.config.vocab_size)
 
     def _target_logprobs(self, data: Sequence[Datum]) -> list[Tensor]:
-        """log π(target_t | tokens[:t+1]) per datum: the batch right-padded, one pass."""
+        """log π(target_t | tokens[:t+1]) per datum: the batch right-padded (on the CPU,
+        from the request's ids), one pass on the model's device."""
         longest = max(len(d.tokens) for d in data)
         ids = torch.zeros(len(data), longest, dtype=torch.long)
         mask = torch.zeros(len(data), longest, dtype=torch.long)
@@ -156,6 +158,7 @@ class HFTrainingModel:
             ids[row, :size] = torch.tensor(datum.tokens)
             mask[row, :size] = 1
             targets[row, :size] = datum.inputs["target_tokens"].long()
+        ids, mask, targets = (t.to(self.device, non_blocking=True) for t in (ids, mask, targets))
         logits = self.policy(ids, mask)
         picked = torch.log_softmax(logits, -1).gather(-1, targets.unsqueeze(-1)).squeeze(-1)
         return [picked[row, : len(d.tokens)] for row, d in enumerate(data)]
@@ -198,6 +201,11 @@ class HFTrainingModel:
             raise RequestError(f"{path.name}: {exc}") from None
         if optimizer:
             self._steps = int(state.get("tinker_steps", 0))
+
+
+def _on(inputs: Mapping[str, Tensor], device: torch.device) -> dict[str, Tensor]:
+    """A datum's loss inputs (the request's, on the CPU) on the model's ``device``."""
+    return {name: tensor.to(device, non_blocking=True) for name, tensor in inputs.items()}
 
 
 def read_state(path: Path) -> dict[str, Any]:
@@ -349,7 +357,8 @@ class HFTrainingBackend:
     def prompt_logprobs(self, weights: Path | None, prompt: Sequence[int]) -> list[float]:
         saved = None if weights is None else self.samplers.adapter_at(weights, self._read(weights))
         policy = self.base if saved is None else self._scorer(saved)
-        ids = torch.tensor([list(prompt)])
+        device = next(self.base.parameters()).device
+        ids = torch.tensor([list(prompt)]).to(device)  # the request's ids: made on the CPU
         with torch.no_grad():
             logprobs = torch.log_softmax(policy(ids), -1)[0, :-1]
         return logprobs.gather(-1, ids[0, 1:, None]).squeeze(-1).tolist()

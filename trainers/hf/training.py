@@ -4,7 +4,8 @@ adapters, activation checkpointing, and how it spreads over the torchrun ranks
 rest of the model).
 
 :func:`prepare_policy` applies them, in that order, to a freshly loaded (and
-warm-started) policy, before anything builds an optimizer over its parameters.
+warm-started) policy already on the run's device (``fully_shard`` shards a model where
+it is), before anything builds an optimizer over its parameters.
 """
 
 from __future__ import annotations

@@ -4,7 +4,8 @@ The engine holds a copy of the policy that only ``update_weights`` replaces, so 
 never reads weights while the trainer is changing them (the same contract a vLLM or
 SGLang server has behind its weight-update endpoint). It samples ``n`` responses
 per prompt with temperature and top-p, records each token's behaviour log-prob and
-the weight version that produced it, and stops at EOS or ``max_new_tokens``.
+the weight version that produced it, and stops at EOS or ``max_new_tokens``. It
+samples on its weights' device (the run's), where its rollouts stay.
 
 What happens to a generation in flight when newer weights are published is the
 engine's capability, chosen by the caller: it finishes on the weights it started
@@ -24,6 +25,7 @@ from torch import Tensor
 
 from trainers.lm.model import TinyLM, decode
 from trainers.lm.tasks import EOS, PAD
+from trainers.weights import to_device
 
 
 @dataclass
@@ -93,6 +95,12 @@ class LocalEngine:
         self.model = copy.deepcopy(policy).eval()
         self.version = 0
 
+    @property
+    def device(self) -> torch.device:
+        """Where the engine's weights are (the policy's: the run's device), and so where
+        it samples and its rollouts are."""
+        return next(self.model.parameters()).device
+
     def update_weights(self, state: dict[str, Tensor], version: int) -> None:
         with torch.no_grad():
             self.model.load_state_dict(state)
@@ -109,8 +117,9 @@ class LocalEngine:
         newer_weights: Callable[[], tuple[int, dict[str, Tensor]]] | None = None,
     ) -> Rollouts:
         """Sample; with ``newer_weights`` (interrupt mode) the engine asks it for the
-        latest published (version, weights) between decode steps and switches to them."""
-        prompts = prompt_ids.repeat_interleave(n, dim=0)
+        latest published (version, weights) between decode steps and switches to them.
+        ``prompt_ids`` may be built on the CPU: they go to the engine's device once."""
+        prompts = to_device(prompt_ids, self.device).repeat_interleave(n, dim=0)
 
         def weights_version() -> int:
             if newer_weights is not None:

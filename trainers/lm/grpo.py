@@ -125,7 +125,7 @@ class GRPOTrainer(LMPolicyTrainer[GRPOConfig]):
 
 def select_groups(scored: Scored, groups: Tensor, group_size: int) -> Scored:
     """The rows of the given groups (prompt-major layout), in order."""
-    rows = (groups[:, None] * group_size + torch.arange(group_size)).flatten()
+    rows = (groups[:, None] * group_size + torch.arange(group_size, device=groups.device)).flatten()
     return Scored(
         scored.rollouts.select(rows),
         [scored.prompts[i] for i in rows.tolist()],

@@ -149,11 +149,11 @@ def decode(
 ) -> Decoded:
     """Batched decoding of equal-length prompts: greedy, or sampled with top-p.
 
-    ``temperature`` 0 is greedy and draws no random numbers; above 0 samples from
-    ``generator`` (the global torch RNG if None) within the top-p nucleus; the
-    log-probs are under the full temperature-scaled distribution. A row that
-    has emitted ``stop_id`` keeps emitting it, and decoding ends early once every row
-    has stopped. Between decode steps :func:`cancel_point` lets a cancelled run stop.
+    ``temperature`` 0 is greedy and draws nothing; above 0 samples from ``generator``
+    (torch's RNG if None; :func:`generator_on` for a GPU model) within the top-p
+    nucleus; log-probs are under the full temperature-scaled distribution. A row that
+    emitted ``stop_id`` keeps emitting it; decoding ends once every row has stopped.
+    Between decode steps :func:`cancel_point` lets a cancelled run stop.
 
     ``weights_version`` is asked before each step which weights produce its tokens; it
     may load newer ones into ``model`` first (a partial rollout: the prefix so far is
@@ -167,6 +167,8 @@ def decode(
         )
     ids = prompt_ids
     done = torch.zeros(batch, dtype=torch.bool, device=prompt_ids.device)
+    if temperature > 0:
+        generator = generator_on(prompt_ids.device, generator)
     tokens: list[Tensor] = []
     logprobs: list[Tensor] = []
     versions: list[int] = []
@@ -192,7 +194,18 @@ def decode(
         if bool(done.all()):
             break
         ids = torch.cat([ids, token[:, None]], dim=1)
-    return Decoded(torch.stack(tokens, dim=1), torch.stack(logprobs, dim=1), torch.tensor(versions))
+    stamps = torch.tensor(versions, device=prompt_ids.device)
+    return Decoded(torch.stack(tokens, dim=1), torch.stack(logprobs, dim=1), stamps)
+
+
+def generator_on(device: torch.device, generator: torch.Generator | None) -> torch.Generator | None:
+    """``generator`` when it draws on ``device`` (None: torch's default RNG there); else
+    a generator on ``device`` seeded by one draw from it: a run's seeded CPU stream
+    decides a GPU model's samples too, and a CPU run's draws are unchanged."""
+    if generator is None or generator.device == device:
+        return generator
+    seed = int(torch.randint(0, 2**62, (1,), generator=generator, device=generator.device))
+    return torch.Generator(device).manual_seed(seed)
 
 
 def _init_weights(module: nn.Module) -> None:

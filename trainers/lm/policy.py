@@ -16,7 +16,13 @@ from corun.execution import parallel
 from trainers.lm.engine import Rollouts
 from trainers.lm.model import ModelConfig, TinyLM
 from trainers.lm.tasks import EOS, MAX_LEN, VOCAB_SIZE, Task, decode_responses, encode_prompts
-from trainers.weights import load_optimizer_state, optimizer_state, rebuild, warm_start
+from trainers.weights import (
+    load_optimizer_state,
+    optimizer_state,
+    rebuild,
+    to_device,
+    warm_start,
+)
 
 
 def build_policy(d_model: int, n_layers: int, n_heads: int) -> TinyLM:
@@ -28,9 +34,10 @@ def build_policy(d_model: int, n_layers: int, n_heads: int) -> TinyLM:
     return TinyLM(config)
 
 
-def load_policy(state: dict[str, Any]) -> TinyLM:
-    """Rebuild the TinyLM of a trainer ``state_dict()`` (``model_config`` + ``model``)."""
-    return rebuild(TinyLM, ModelConfig, state)
+def load_policy(state: dict[str, Any], device: torch.device | str = "cpu") -> TinyLM:
+    """Rebuild the TinyLM of a trainer ``state_dict()`` (``model_config`` + ``model``) on
+    ``device``."""
+    return rebuild(TinyLM, ModelConfig, state, device)
 
 
 def policy_from(init_from: str) -> TinyLM:
@@ -88,10 +95,11 @@ class HeldOutEval:
     Greedy decoding draws no random numbers, so evaluating never perturbs training.
     """
 
-    def __init__(self, task: Task, size: int) -> None:
+    def __init__(self, task: Task, size: int, device: torch.device | str = "cpu") -> None:
         self.task = task
         self.examples = task.eval_set(size)
-        self.prompt_ids = encode_prompts([prompt for prompt, _ in self.examples])
+        # Encoded on the CPU, moved once to ``device``: the evaluated model's.
+        self.prompt_ids = to_device(encode_prompts([p for p, _ in self.examples]), device)
 
     @torch.no_grad()
     def __call__(self, model: TinyLM) -> dict[str, float]:

@@ -143,7 +143,8 @@ D = TypeVar("D")
 
 @dataclass
 class Scored:
-    """A sampled batch with rewards: what ``make_batch`` turns into training data."""
+    """A sampled batch with rewards: what ``make_batch`` turns into training data. Its
+    tensors are on the run's device (rewards, computed on the CPU, moved once)."""
 
     rollouts: Rollouts
     prompts: list[str]  # one per row
@@ -174,6 +175,8 @@ class TrainablePolicy(CausalPolicy, Protocol):
     def train(self, mode: bool = True) -> Self: ...
 
     def eval(self) -> Self: ...
+
+    def to(self, device: torch.device) -> Self: ...
 
     def num_params(self) -> int: ...
 
@@ -238,10 +241,14 @@ class PolicyGradientTrainer(Trainer[C]):
         # Several optimizer steps per batch: the later ones need the proximal log-probs
         # computed before the first (prepare); with one, its own forward pass has them.
         self.later_mini_batches = ctx.config.loop.mini_batches > 1
-        policy = self.initial_policy()
+        # The models on the run's device before the reference and the engine copy the
+        # policy, and before the optimizer takes their parameters.
+        self.device = ctx.device
+        policy = self.initial_policy().to(self.device)
         self.reference = kl_anchor(policy, cfg.kl_coef)
         self.policy = self.trained_policy(policy)
-        self.extra_modules = self.algorithm.modules(self.policy)
+        modules = self.algorithm.modules(self.policy).items()
+        self.extra_modules = {name: module.to(self.device) for name, module in modules}
         groups, extra = self.policy_groups(cfg.lr), self.extra_parameters()
         if extra and len(groups) == 1 and "lr" not in groups[0]:  # one, as checkpoints have
             groups = [{"params": [*groups[0]["params"], *extra]}]

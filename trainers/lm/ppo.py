@@ -69,9 +69,10 @@ class PPO(PolicyGradientAlgorithm[PPOConfig]):
         old_values = self.value_head(hidden).squeeze(-1) * mask
         # Each response's final token (its last trained one: a multi-turn transcript has
         # untrained observation tokens between the turns).
-        last = torch.where(mask, torch.arange(mask.shape[1]), -1).amax(dim=1)
+        positions = torch.arange(mask.shape[1], device=mask.device)
+        last = torch.where(mask, positions, -1).amax(dim=1)
         token_rewards = torch.zeros_like(old_values)
-        token_rewards[torch.arange(len(last)), last] = scored.rewards
+        token_rewards[torch.arange(len(last), device=last.device), last] = scored.rewards
         advantages, returns = gae(token_rewards, old_values, mask, cfg.gamma, cfg.lam)
         if cfg.whiten_advantages:
             # Over the whole batch's tokens: every rank's shard, under torchrun.

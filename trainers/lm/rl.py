@@ -28,7 +28,13 @@ from trainers.lm.policy import (
 )
 from trainers.lm.policy_gradient import C, PolicyGradientTrainer, Scored
 from trainers.lm.tasks import TASKS, Task, TaskData, decode_responses, encode_prompts
-from trainers.weights import Replicas, ReplicatedRollouts, gathered_state, whole_copy
+from trainers.weights import (
+    Replicas,
+    ReplicatedRollouts,
+    gathered_state,
+    to_device,
+    whole_copy,
+)
 
 
 class TinyLMPolicyGradient(ReplicatedRollouts, PolicyGradientTrainer[C]):
@@ -60,9 +66,8 @@ class TinyLMPolicyGradient(ReplicatedRollouts, PolicyGradientTrainer[C]):
         raise NotImplementedError
 
     def _engine_replica(self, state: dict[str, Tensor], version: int) -> LocalEngine:
-        engine = LocalEngine(
-            load_policy({"model_config": asdict(self.policy.config), "model": state})
-        )
+        saved = {"model_config": asdict(self.policy.config), "model": state}
+        engine = LocalEngine(load_policy(saved, self.device))
         engine.version = version
         return engine
 
@@ -96,7 +101,7 @@ class LMPolicyTrainer(TinyLMPolicyGradient[C]):
     def setup(self, ctx: SetupContext) -> None:
         super().setup(ctx)
         self.task = TASKS[self.config.task]
-        self.held_out = HeldOutEval(self.task, self.config.eval_size)
+        self.held_out = HeldOutEval(self.task, self.config.eval_size, self.device)
         self.max_new_tokens = self.config.max_new_tokens or self.task.max_answer_len + 1
 
     def initial_policy(self) -> TinyLM:
@@ -146,7 +151,8 @@ class LMPolicyTrainer(TinyLMPolicyGradient[C]):
             "perf/generate_time_s": generated - started,
             "perf/reward_time_s": time.monotonic() - generated,
         }
-        return Scored(rollouts, prompts, rewards), metrics
+        # The rollouts are on the engine's device already; the rewards join them there.
+        return Scored(rollouts, prompts, to_device(rewards, self.device)), metrics
 
     def make_batch(
         self, examples: list[tuple[str, str]], ctx: RolloutContext
@@ -165,7 +171,8 @@ def task_rewards(
     truncated_reward: str = "keep",
 ) -> tuple[Tensor, dict[str, float]]:  # fmt: skip
     """Each of the ``n`` responses per example scored by the task (a response cut at
-    the length cap earns 0 when ``truncated_reward`` is "zero"), and batch metrics."""
+    the length cap earns 0 when ``truncated_reward`` is "zero"), and batch metrics.
+    Scored from decoded text: on the CPU, wherever the rollouts are."""
     responses = decode_responses(rollouts.response_ids)
     rewards = torch.tensor([
         0.0 if cut and truncated_reward == "zero" else task.reward(p, a, response)

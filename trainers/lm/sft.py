@@ -43,6 +43,7 @@ from trainers.lm.tasks import (
     encode_examples,
     unknown_chars,
 )
+from trainers.weights import to_device
 
 __all__ = ["SFTConfig", "SFTTrainer", "load_policy"]
 
@@ -83,12 +84,14 @@ class SFTTrainer(Trainer[SFTConfig]):
         # The runtime has seeded the global RNGs with run.seed: the model init draws from them.
         cfg = self.config
         self.task = TASKS[cfg.task]
-        self.model = sharded(build_policy(cfg.d_model, cfg.n_layers, cfg.n_heads),
-                             ctx.config.run.parallel)  # fmt: skip
+        # On the run's device before sharding and the optimizer.
+        self.device = ctx.device
+        model = build_policy(cfg.d_model, cfg.n_layers, cfg.n_heads).to(self.device)
+        self.model = sharded(model, ctx.config.run.parallel)
         self.setup_optimizer(ctx)
         # Built once: the held-out set is fixed, and building it draws no global randomness.
-        self.held_out = HeldOutEval(self.task, cfg.eval_size)
-        self.eval_tokens = encode_examples(self.held_out.examples)
+        self.held_out = HeldOutEval(self.task, cfg.eval_size, self.device)
+        self.eval_tokens = to_device(encode_examples(self.held_out.examples), self.device)
 
     def setup_optimizer(self, ctx: SetupContext) -> None:
         cfg = self.config
@@ -112,6 +115,10 @@ class SFTTrainer(Trainer[SFTConfig]):
     def rollout(self, inputs: list[tuple[str, str]], ctx: RolloutContext) -> Batch:
         """SFT's build phase: tokenise the examples; nothing is generated."""
         return Batch(data=encode_examples(inputs))
+
+    def prepare(self, batch: Batch) -> TokenBatch:
+        """The tokenised batch (built on the CPU) to the model's device, once."""
+        return to_device(batch.data, self.device)
 
     def micro_batches(self, batch: Batch) -> int:
         return self.config.micro_batches

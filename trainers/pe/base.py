@@ -20,7 +20,7 @@ from trainers.lm.model import decode
 from trainers.lm.policy import load_policy_state, policy_state, sharded
 from trainers.pe.prompts import EOS, REWRITE_LEN, UserData, eval_users, flow_tokens
 from trainers.pe.rewriter import RewriterLM, build_rewriter, rewriter_from
-from trainers.weights import warm_start_runs, whole_copy
+from trainers.weights import to_device, warm_start_runs, whole_copy
 
 PositiveInt = Annotated[int, msgspec.Meta(ge=1)]
 PositiveFloat = Annotated[float, msgspec.Meta(gt=0)]
@@ -69,16 +69,18 @@ class PEBase(FlowTrainer[C]):
         optimizer (registered as "text"), and the held-out users."""
         cfg = self.config
         self.model = model_from(cfg.init_from) if cfg.init_from else build_model(cfg.model_config())
-        self.finish_setup(ctx, self.image_lr())
+        self.finish_setup(ctx, self.image_lr())  # the flow model on the run's device
         if cfg.text_init_from:
             policy = rewriter_from(cfg.text_init_from)
         else:
             policy = build_rewriter(cfg.text_d_model, cfg.text_n_layers, cfg.text_n_heads)
+        policy.to(self.device)  # before its copy, its shards and its optimizer
         self.engine_source = whole_copy(policy)  # the rollout side holds whole weights
         self.policy = sharded(policy, ctx.config.run.parallel)
         self.text_optimizer = torch.optim.AdamW(self.policy.parameters(), lr=cfg.text_lr)
         ctx.add_optimizer(self.text_optimizer, grad_clip=cfg.text_grad_clip, name="text")
-        self.eval_users = eval_users(self.held_out.tokens)
+        # Phrased on the CPU (data), moved to the device once: the set is fixed.
+        self.eval_users = to_device(eval_users(self.held_out.prompts), self.device)
 
     def image_lr(self) -> float:
         """The flow model's learning rate (0: the trainer never steps it)."""

@@ -9,6 +9,7 @@ in ``forward``, which both sampling (:func:`trainers.lm.model.decode`) and
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import torch
@@ -23,8 +24,10 @@ from trainers.weights import rebuild, warm_start
 _BLOCKED = -1e9  # finite, so masked logits never turn a softmax into NaN
 
 
-def _grammar() -> Tensor:
-    """(V, V): row = previous token, column = next token; 0 allowed, _BLOCKED not."""
+@functools.cache
+def grammar(device: torch.device) -> Tensor:
+    """(V, V) on ``device`` (made once per device): row = previous token, column = next
+    token; 0 allowed, _BLOCKED not."""
     colors, shape_ids, places = (
         range(FLOW_BASE + offset, FLOW_BASE + offset + size)
         for offset, size in zip(
@@ -33,23 +36,20 @@ def _grammar() -> Tensor:
             strict=True,
         )
     )
-    grammar = torch.zeros(VOCAB_SIZE, VOCAB_SIZE)
+    mask = torch.zeros(VOCAB_SIZE, VOCAB_SIZE, device=device)
     order = ([SEP], colors), (colors, shape_ids), (shape_ids, places), (places, [EOS])
     for previous, allowed in order:
-        rows = torch.tensor(list(previous))
-        grammar[rows] = _BLOCKED
-        grammar[rows[:, None], torch.tensor(list(allowed))] = 0.0
-    return grammar
-
-
-GRAMMAR = _grammar()
+        rows = torch.tensor(list(previous), device=device)
+        mask[rows] = _BLOCKED
+        mask[rows[:, None], torch.tensor(list(allowed), device=device)] = 0.0
+    return mask
 
 
 class RewriterLM(TinyLM):
     """TinyLM with the rewrite grammar applied to its next-token logits."""
 
     def forward(self, ids: Tensor) -> Tensor:
-        return super().forward(ids) + GRAMMAR[ids]
+        return super().forward(ids) + grammar(ids.device)[ids]
 
 
 def build_rewriter(d_model: int, n_layers: int, n_heads: int) -> RewriterLM:
@@ -61,11 +61,11 @@ def build_rewriter(d_model: int, n_layers: int, n_heads: int) -> RewriterLM:
     return RewriterLM(config)
 
 
-def load_rewriter(state: dict[str, Any]) -> RewriterLM:
-    """The policy of a ``model_config`` + ``model`` state over this vocabulary."""
+def load_rewriter(state: dict[str, Any], device: torch.device | str = "cpu") -> RewriterLM:
+    """The policy of a ``model_config`` + ``model`` state over this vocabulary, on ``device``."""
     if state["model_config"]["vocab_size"] != VOCAB_SIZE:
         raise ValueError(f"vocabulary of {state['model_config']['vocab_size']}, not {VOCAB_SIZE}")
-    return rebuild(RewriterLM, ModelConfig, state)
+    return rebuild(RewriterLM, ModelConfig, state, device)
 
 
 def rewriter_from(init_from: str) -> RewriterLM:

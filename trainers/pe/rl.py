@@ -44,7 +44,14 @@ from trainers.pe.base import PEBase, PEBaseConfig, PositiveFloat
 from trainers.pe.prompts import REWRITE_LEN, UserBatch, flow_tokens
 from trainers.pe.rewriter import load_rewriter, rewrite_logprobs
 from trainers.pg import aggregate, clipped_surrogate, group_advantages, zero_std_groups
-from trainers.weights import Replicas, ReplicatedRollouts, frozen_copy, gathered_state, kl_anchor
+from trainers.weights import (
+    Replicas,
+    ReplicatedRollouts,
+    frozen_copy,
+    gathered_state,
+    kl_anchor,
+    to_device,
+)
 
 NonNegativeFloat = Annotated[float, msgspec.Meta(ge=0)]
 
@@ -110,6 +117,9 @@ class PromptEnhancerTrainer(ReplicatedRollouts, PEBase[PromptEnhancerConfig]):
     def rollout(self, inputs: UserBatch, ctx: RolloutContext) -> Batch:
         cfg, k = self.config, self.config.rewrites_per_prompt
         (engine, sampler), version = self.replicas.local(ctx.version)
+        # The engine samples on its device (the user prompts go there once), and so
+        # does the sampler, conditioned on the rewrites; the rewards are scored on the
+        # CPU against what the users asked for.
         rewrites = engine.generate(
             inputs.prompt_ids, k, REWRITE_LEN, cfg.temperature, generator=ctx.generator
         )
@@ -126,14 +136,17 @@ class PromptEnhancerTrainer(ReplicatedRollouts, PEBase[PromptEnhancerConfig]):
             group_advantages(column, k, cfg.grpo.adv_scope, cfg.grpo.adv_std_norm)
             for column in per_token.unbind(dim=1)
         ], dim=1)  # fmt: skip
+        exact = (conditions == to_device(targets, self.device)).all(dim=1)
         metrics = {
             "rollout/text/reward_mean": float(rewards.mean()),
             "rollout/text/reward_std": float(rewards.std()),
             "rollout/text/zero_std_group_ratio": float(zero_std_groups(rewards, k).float().mean()),
-            "rollout/text/rewrite_exact": float((conditions == targets).all(dim=1).float().mean()),
+            "rollout/text/rewrite_exact": float(exact.float().mean()),
             **{f"rollout/image/{key}": value for key, value in image_metrics.items()},
         }
-        return Batch(PEBatch(rewrites, advantages, images), metrics, version=version)
+        # The advantages (from the CPU's rewards) join the rollouts on the device.
+        batch = PEBatch(rewrites, to_device(advantages, self.device), images)
+        return Batch(batch, metrics, version=version)
 
     def _token_rewards(self, images: ImageGroups) -> Tensor:
         """Per image, the reward credited to each rewrite token: "factored" gives the
@@ -151,7 +164,7 @@ class PromptEnhancerTrainer(ReplicatedRollouts, PEBase[PromptEnhancerConfig]):
 
     def loss(self, batch: Batch, part: Part) -> tuple[Tensor, dict[str, float]]:
         data: PEBatch = batch.data
-        loss, metrics = torch.zeros(()), dict[str, float]()
+        loss, metrics = torch.zeros((), device=self.device), dict[str, float]()
         if part.micro == 0:
             text_loss, text_metrics = self._text_loss(data, part.mini_rows(len(data.advantages)))
             loss = loss + text_loss
@@ -193,9 +206,9 @@ class PromptEnhancerTrainer(ReplicatedRollouts, PEBase[PromptEnhancerConfig]):
     def _pair_of(self, weights: dict[str, Tensor], version: int) -> Pair:
         text, image = _split(weights)
         config = msgspec.structs.asdict(self.policy.config)
-        engine = LocalEngine(load_rewriter({"model_config": config, "model": text}))
+        engine = LocalEngine(load_rewriter({"model_config": config, "model": text}, self.device))
         engine.version = version
-        return engine, sampler_replica(self.model)(image, version)
+        return engine, sampler_replica(self.model, self.device)(image, version)
 
 
 def _split(weights: dict[str, Tensor]) -> tuple[dict[str, Tensor], dict[str, Tensor]]:

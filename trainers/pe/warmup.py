@@ -14,6 +14,7 @@ from trainers.diffusion.sampling import mean_over
 from trainers.pe.base import PEBase, PEBaseConfig
 from trainers.pe.prompts import FLOW_BASE, UserBatch
 from trainers.pe.rewriter import rewrite_logprobs
+from trainers.weights import to_device
 
 
 class PEWarmupConfig(PEBaseConfig, frozen=True, forbid_unknown_fields=True, kw_only=True):
@@ -28,6 +29,10 @@ class PEWarmupTrainer(PEBase[PEWarmupConfig]):
     def rollout(self, inputs: UserBatch, ctx: RolloutContext) -> Batch:
         """The prompts and their true rewrites: nothing is generated."""
         return Batch(inputs)
+
+    def prepare(self, batch: Batch) -> UserBatch:
+        """The batch (built on the CPU) to the policy's device, once."""
+        return to_device(batch.data, self.device)
 
     def loss(self, batch: Batch, part: Part) -> tuple[Tensor, dict[str, float]]:
         """Cross-entropy of the true rewrites."""

@@ -112,20 +112,25 @@ class UnifiedBase(Trainer[C]):
     rollout and train step."""
 
     model: UnifiedModel
+    device: torch.device  # the run's: the model, batches, noise and losses; rewards on the CPU
     shards_model = True  # run.parallel = "fsdp"
 
     def build(self, ctx: SetupContext, model: UnifiedModel) -> None:
-        """One optimizer over every parameter of both tracks, and the held-out sets."""
+        """``model`` on the run's device (``self.device``), one optimizer over every
+        parameter of both tracks, and the held-out sets."""
         cfg = self.config
-        self.model = sharded(model, ctx.config.run.parallel)
+        self.device = ctx.device
+        self.model = sharded(model.to(self.device), ctx.config.run.parallel)
         self.optimizer = torch.optim.AdamW(
             model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay
         )
         ctx.add_optimizer(self.optimizer, grad_clip=cfg.grad_clip)
         self.task = TASKS[cfg.task]
-        self.text_eval = TextHeldOut(self.task, cfg.text_eval_size)
+        self.text_eval = TextHeldOut(self.task, cfg.text_eval_size, self.device)
         samples = ctx.config.run_dir / "samples"
-        self.image_eval = ImageHeldOut(cfg.image_eval_size, cfg.jitter, samples, cfg.grid_size)
+        self.image_eval = ImageHeldOut(
+            cfg.image_eval_size, cfg.jitter, samples, cfg.grid_size, self.device
+        )
 
     def dataset(self) -> TrackData:
         data, seed = self.run_config.data, self.run_config.run.seed

@@ -103,12 +103,12 @@ def build_unified(d_model: int, n_layers: int, n_heads: int, patch_size: int) ->
     return UnifiedModel(config)
 
 
-def load_unified(state: dict[str, Any]) -> UnifiedModel:
-    """Rebuild the model of a unified trainer's ``state_dict()``."""
+def load_unified(state: dict[str, Any], device: torch.device | str = "cpu") -> UnifiedModel:
+    """Rebuild the model of a unified trainer's ``state_dict()`` on ``device``."""
     kind = state.get("model_kind")
     if kind != MODEL_KIND:
         raise ValueError(f"it holds a {kind or 'TinyLM or FlowDiT'} model")
-    return rebuild(UnifiedModel, UnifiedModelConfig, state)
+    return rebuild(UnifiedModel, UnifiedModelConfig, state, device)
 
 
 def unified_from(init_from: str) -> UnifiedModel:

@@ -23,6 +23,7 @@ from trainers.lm.sft import masked_loss_sum
 from trainers.lm.tasks import TokenBatch, encode_examples
 from trainers.unified.base import Tracks, UnifiedBase, UnifiedSettings
 from trainers.unified.model import build_unified
+from trainers.weights import to_device
 
 
 class UnifiedPretrainConfig(UnifiedSettings, frozen=True, forbid_unknown_fields=True, kw_only=True):
@@ -43,6 +44,10 @@ class UnifiedPretrainTrainer(UnifiedBase[UnifiedPretrainConfig]):
         """The build phase: tokenise the text, draw the flow-matching randomness."""
         image = flow_batch(inputs.image, ctx.generator, self.config.cond_dropout)
         return Batch(Tracks(encode_examples(inputs.text), image))
+
+    def prepare(self, batch: Batch) -> Tracks[TokenBatch, FlowBatch]:
+        """Both tracks' batches (built on the CPU) to the model's device, once."""
+        return to_device(batch.data, self.device)
 
     def loss(self, batch: Batch, part: Part) -> tuple[Tensor, dict[str, float]]:
         cfg = self.config

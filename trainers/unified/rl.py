@@ -59,6 +59,7 @@ from trainers.weights import (
     ReplicatedRollouts,
     gathered_state,
     kl_anchor,
+    to_device,
     warm_start_runs,
     whole_copy,
 )
@@ -100,12 +101,13 @@ class TextGroups:
 def score_text(
     task: Task, examples: list[tuple[str, str]], rollouts: Rollouts, settings: TextGRPOSettings
 ) -> tuple[TextGroups, dict[str, float]]:
-    """Task rewards of each prompt's group of responses, and group advantages."""
+    """Task rewards of each prompt's group of responses (on the CPU), and group
+    advantages (on the rollouts' device, where the loss uses them)."""
     n = settings.samples_per_prompt
     rewards, metrics = task_rewards(task, examples, rollouts, n)
     advantages = group_advantages(rewards, n, settings.adv_scope, settings.adv_std_norm)
     metrics["zero_std_group_ratio"] = float(zero_std_groups(rewards, n).float().mean())
-    return TextGroups(rollouts, advantages), metrics
+    return TextGroups(rollouts, to_device(advantages, rollouts.response_ids.device)), metrics
 
 
 class UnifiedTrainer(ReplicatedRollouts, UnifiedBase[UnifiedConfig]):
@@ -122,6 +124,7 @@ class UnifiedTrainer(ReplicatedRollouts, UnifiedBase[UnifiedConfig]):
             model = unified_from(cfg.init_from)
         else:
             model = build_unified(cfg.d_model, cfg.n_layers, cfg.n_heads, cfg.patch_size)
+        model.to(ctx.device)  # before the copies below: every copy on the run's device
         whole = whole_copy(model) or model  # before sharding: the rollout side's is whole
         self.build(ctx, model)
         # The image track's KL anchor: the starting model, frozen.
@@ -145,16 +148,21 @@ class UnifiedTrainer(ReplicatedRollouts, UnifiedBase[UnifiedConfig]):
         """Both tracks' groups, every draw from the rollout's generator."""
         cfg, generator = self.config, ctx.generator
         engine = self.replicas.local(ctx.version)[0]
+        # Both tracks' prompts (encoded on the CPU) to the model's device, once; the
+        # rewards are scored on the CPU.
+        prompts = to_device(
+            Tracks(encode_prompts([prompt for prompt, _ in inputs.text]), inputs.image.tokens),
+            self.device,
+        )
         rollouts = engine.generate(
-            encode_prompts([prompt for prompt, _ in inputs.text]), cfg.text.samples_per_prompt,
-            self.max_new_tokens, cfg.text.temperature, cfg.text.top_p, generator,
+            prompts.text, cfg.text.samples_per_prompt, self.max_new_tokens,
+            cfg.text.temperature, cfg.text.top_p, generator,
         )  # fmt: skip
         text, text_metrics = score_text(self.task, inputs.text, rollouts, cfg.text)
         sampling = Sampling(cfg.sample_steps, cfg.shift, cfg.cfg_scale)
-        tokens = inputs.image.tokens
         assert isinstance(engine.model, UnifiedModel)  # the engine's copy of the model
         image, image_metrics = sample_groups(
-            engine.model.flow, tokens, tokens, cfg.image, sampling, generator
+            engine.model.flow, prompts.image, inputs.image.tokens, cfg.image, sampling, generator
         )
         metrics = tagged("rollout", "text", text_metrics)
         metrics |= tagged("rollout", "image", image_metrics)
@@ -162,7 +170,8 @@ class UnifiedTrainer(ReplicatedRollouts, UnifiedBase[UnifiedConfig]):
 
     def _replica(self, state: dict[str, Tensor], version: int) -> LocalEngine:
         config = msgspec.structs.asdict(self.model.config)
-        model = load_unified({"model_config": config, "model": state, "model_kind": MODEL_KIND})
+        saved = {"model_config": config, "model": state, "model_kind": MODEL_KIND}
+        model = load_unified(saved, self.device)
         engine = LocalEngine(model)
         engine.version = version
         return engine
@@ -178,7 +187,7 @@ class UnifiedTrainer(ReplicatedRollouts, UnifiedBase[UnifiedConfig]):
         image = image.rows(part.mini_rows(len(image)))
         self.model.train()
         metrics: dict[str, float] = {}
-        loss = torch.zeros(())
+        loss = torch.zeros((), device=self.device)
         if part.micro == 0:
             rows = part.mini_rows(len(text))
             text_loss, text_metrics, _ = clipped_policy_loss(
