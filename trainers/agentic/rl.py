@@ -45,7 +45,6 @@ from trainers.lm.ppo import PPO, PPOConfig
 from trainers.lm.rl import TinyLMPolicyGradient
 from trainers.lm.settings import PositiveInt, with_settings
 from trainers.pg import fill_failed
-from trainers.weights import to_device
 
 # Where episodes come from: the trainer's own environments, or submitted from outside
 # (a host's agents through corun.training's session, or the endpoint's capture).
@@ -121,12 +120,10 @@ class AgenticEpisodes(TinyLMPolicyGradient[Any]):
         rewards = torch.tensor([e.reward for e in episodes])
         prompts = [calculator.decode(e.prompt_ids) for e in episodes]
         trainable = torch.tensor([e.trainable for e in episodes])
-        # Built from the episodes on the CPU; to the run's device once, whole.
-        scored = to_device(Scored(rollouts, prompts, fill_failed(rewards, trainable, n)),
-                           self.device)  # fmt: skip
+        scored = Scored(rollouts, prompts, fill_failed(rewards, trainable, n))
         metrics = {f"rollout/{k}": v for k, v in episode_metrics(episodes, tasks).items()}
         metrics["perf/env_wait_time_s"] = sum(e.env_wait_s for e in episodes)
-        return Batch(self.algorithm.training_data(scored), metrics, version=rollouts.version)
+        return Batch(self.training_data(scored), metrics, version=rollouts.version)
 
     def _sampler(self, ctx: RolloutContext) -> Any:
         """The turn generator of one rollout, run on its worker's lane: the engine copy it

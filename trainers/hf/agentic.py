@@ -52,7 +52,6 @@ from trainers.lm.policy_gradient import Scored
 from trainers.lm.ppo import PPO
 from trainers.lm.settings import with_settings
 from trainers.pg import fill_failed
-from trainers.weights import to_device
 
 # The environment of episode ``row`` of the rollout of data ``index`` (-1: evaluation).
 MakeEnv = Callable[[int, int, EnvSettings], ChatEnvironment]
@@ -135,10 +134,7 @@ class HFAgentic(HFRollouts):
         metrics["rollout/partial_ratio"] = float(rollouts.spans_versions().float().mean())
         metrics["perf/env_wait_time_s"] = sum(e.env_wait_s for e in episodes)
         version = rollouts.version
-        # Built on the CPU from the episodes; to the run's device once.
-        scored = to_device(Scored(rollouts, prompts, fill_failed(rewards, trainable, n)),
-                           self.device)  # fmt: skip
-        data = self.algorithm.training_data(scored)
+        data = self.training_data(Scored(rollouts, prompts, fill_failed(rewards, trainable, n)))
         return Batch(data, metrics, version=version, weights=self.weights(version))
 
     # ---- evaluation: greedy episodes on held-out problems, no tool latency

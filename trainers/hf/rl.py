@@ -52,7 +52,7 @@ from trainers.lm.policy_gradient import PolicyGradientTrainer, Scored, require_c
 from trainers.lm.ppo import PPO, PPOConfig
 from trainers.lm.settings import LMTrainerConfig, PositiveInt, with_settings
 from trainers.pg import fill_failed
-from trainers.weights import to_device, whole_copy
+from trainers.weights import whole_copy
 
 DEFAULT_REWARDS = {"numeric_match": 1.0}
 TaskName = Literal["word-problems"]
@@ -276,10 +276,8 @@ class HFPrompts(HFRollouts):
             "perf/generate_time_s": generated - started,
             "perf/reward_time_s": time.monotonic() - generated,
         }
-        # Built on the CPU from the generations and rewards; to the run's device once.
-        scored = to_device(Scored(rollouts, [str(e.prompt) for e in rows],
-                                  fill_failed(rewards, ok, n)), self.device)  # fmt: skip
-        data = self.algorithm.training_data(scored)
+        scored = Scored(rollouts, [str(e.prompt) for e in rows], fill_failed(rewards, ok, n))
+        data = self.training_data(scored)
         version = rollouts.version
         return Batch(data, metrics=metrics, version=version, weights=self.weights(version))
 

@@ -40,7 +40,7 @@ from trainers.pg import (
     mismatch_metrics,
     rollout_correction,
 )
-from trainers.weights import kl_anchor, warm_start_runs
+from trainers.weights import kl_anchor, to_device, warm_start_runs
 
 UnitFloat = Annotated[float, msgspec.Meta(gt=0, le=1)]
 
@@ -256,6 +256,11 @@ class PolicyGradientTrainer(Trainer[C]):
             groups.append({"params": extra})
         self.optimizer = torch.optim.AdamW(groups, lr=cfg.lr, weight_decay=0.0)
         ctx.add_optimizer(self.optimizer, grad_clip=cfg.grad_clip)
+
+    def training_data(self, scored: Scored) -> Any:
+        """The algorithm's training data of ``scored``, a batch built on the CPU from
+        generations and rewards: moved to the run's device once, whole."""
+        return self.algorithm.training_data(to_device(scored, self.device))
 
     def policy_groups(self, lr: float) -> list[dict[str, Any]]:
         """The optimizer's parameter groups of the policy's trained parameters: one at
