@@ -18,6 +18,7 @@ its float32 runs are tests/test_vllm.py and tests/test_engine_adapters.py.
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 import anyio
@@ -28,10 +29,13 @@ import corun
 from corun import Lane
 from corun.contract.config_file import config_from_dict
 from corun.contract.engine import Sampling
+from corun.contract.trainer import SetupContext
 from corun.engines.fingerprint import sync_verified, weights_fingerprint
-from corun.engines.options import EngineOptions, eager, engine_dtype, resolved_dtype
-from corun.engines.start import check_engine
+from corun.engines.options import EngineOptions, VLLMConfig, eager, engine_dtype, resolved_dtype
+from corun.engines.start import check_engine, check_placement
 from corun.engines.transformers_engine import TransformersEngine
+from corun.engines.vllm_common import engine_settings
+from tests.support.config import make_config
 from tests.support.vllm_helpers import perturb, prompts
 from trainers.hf.policy import ChatFormat, HFPolicy
 
@@ -47,6 +51,49 @@ def test_auto_follows_the_device(monkeypatch: pytest.MonkeyPatch, cuda: bool) ->
     assert (resolved_dtype(chosen), engine_dtype(chosen), eager(chosen)) == (
         "float16", torch.float16, True,
     )  # fmt: skip
+
+
+@pytest.mark.parametrize("cuda", [False, True])
+def test_vllm_settings_follow_the_device(monkeypatch: pytest.MonkeyPatch, cuda: bool) -> None:
+    """On a GPU vLLM takes a memory share (0.3 colocated, 0.9 apart, or as set) and,
+    colocated, its sleep mode; its CPU build is given neither."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: cuda)
+    apart = engine_settings(VLLMConfig(model="m"))
+    colocated = engine_settings(VLLMConfig(model="m", colocate=True))
+    chosen = engine_settings(VLLMConfig(model="m", colocate=True, gpu_memory_utilization=0.5))
+    if not cuda:
+        gpu_only = {"gpu_memory_utilization", "enable_sleep_mode"}
+        assert not gpu_only & (apart.keys() | colocated.keys())
+        return
+    assert apart["gpu_memory_utilization"] == 0.9 and "enable_sleep_mode" not in apart
+    assert colocated["gpu_memory_utilization"] == 0.3 and colocated["enable_sleep_mode"] is True
+    assert chosen["gpu_memory_utilization"] == 0.5
+
+
+PLACEMENTS: dict[str, tuple[dict[str, Any], dict[str, Any], str]] = {
+    "colocated above concurrency 1": (
+        {"colocate": True},
+        {"concurrency": 2, "max_staleness": 1},
+        "loop.concurrency = 2",
+    ),
+    "a GPU this machine lacks": ({"devices": [0]}, {}, "this machine has 0 CUDA device"),
+}
+
+
+@pytest.mark.parametrize("case", list(PLACEMENTS))
+def test_engine_placement_is_checked_against_the_run(
+    case: str, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    options, loop, why = PLACEMENTS[case]
+    config = make_config(tmp_path, {"kind": "hf_grpo", "model": "hf:x"}, loop=loop)
+    ctx = SetupContext(config)
+    check_placement(EngineOptions(), ctx)
+    with pytest.raises(corun.ConfigError) as refused:
+        check_placement(EngineOptions(**options), ctx)
+    setting = next(iter(options))
+    assert str(refused.value).startswith(f"`$.trainer.engine_options.{setting}`")
+    assert why in str(refused.value)
 
 
 def test_local_engine_takes_dtype_not_graph_mode() -> None:

@@ -38,6 +38,7 @@ pytest.importorskip("vllm")
 
 import corun
 from corun.contract.engine import EngineError, Sampling
+from corun.engines.fingerprint import sync_verified, weights_fingerprint
 from corun.engines.options import VLLMConfig
 from corun.engines.vllm_engine import VLLMEngine
 from corun.records.events import read_records
@@ -114,6 +115,31 @@ async def test_fingerprint_follows_syncs(engines: Engines[VLLMEngine], policy: H
     engine = await engines.get()
     with anyio.fail_after(60):
         await assert_fingerprints_follow_syncs(engine, policy)
+
+
+@pytest.mark.anyio
+async def test_colocated_sleep_and_wake(
+    engines: Engines[VLLMEngine], policy: HFPolicy, chat: ChatFormat
+) -> None:
+    """Colocation's calls (on CPU vLLM's sleep itself does nothing: corun's side is what
+    runs here): asleep, a generation is refused; woken, the engine samples what it did
+    before; asleep without its weights, a sync wakes them, loads and verifies them."""
+    engine = await engines.get()
+    rows, sampling = prompts(chat), sampling_of("full", chat)
+    with anyio.fail_after(60):
+        before = [g.ids for g in await engine.generate(rows, sampling, 3)]
+        await engine.sleep(keep_weights=True)
+        with pytest.raises(EngineError, match="asleep"):
+            await engine.generate(rows, sampling, 3)
+        await engine.wake()
+        assert [g.ids for g in await engine.generate(rows, sampling, 3)] == before
+        await engine.sleep(keep_weights=False)
+        synced = await sync_verified(engine, policy.weights(), engine.version + 1)
+        assert synced == weights_fingerprint(policy.weights().values())
+        with pytest.raises(EngineError, match="asleep"):  # the KV cache is still released
+            await engine.generate(rows, sampling, 3)
+        await engine.wake()
+        assert len(await engine.generate(rows, sampling, 3)) == len(rows)
 
 
 def running(engine: VLLMEngine) -> bool:
@@ -251,6 +277,43 @@ async def test_hf_grpo_run_with_vllm(
     assert VLLMEngine._live is None  # the run's teardown shut its engine down
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize("anyio_backend", ["asyncio"])
+@pytest.mark.anyio
+async def test_colocated_run_sleeps_while_training(
+    engines: Engines[VLLMEngine], model_dir: Path, tmp_path: Path, anyio_backend: str
+) -> None:
+    """``engine_options.colocate``: every step runs sleep → train → sync → wake (the
+    events, in order), the engine drops its weights before each sync, and the run
+    trains exactly as the same run without colocation (vLLM's sleep does nothing on
+    CPU; the update is not fused into the rollout's lane call, which changes nothing)."""
+    await engines.release()
+    losses = {}
+    for colocate in (False, True):
+        config = make_config(
+            tmp_path / f"run-{colocate}",
+            hf_trainer(model_dir, engine_options={"colocate": colocate}),
+            run={"steps": 3, "seed": 1}, loop={"baseline_eval": False, "eval_interval": 3},
+            data={"batch_size": 2},
+        )  # fmt: skip
+        with anyio.fail_after(240):
+            await corun.run(corun.resolve_trainer("hf_grpo")(config), config)
+        metrics = read_records(tmp_path / f"run-{colocate}" / "metrics.jsonl")
+        losses[colocate] = [r["train/loss"] for r in metrics if "train/loss" in r]
+    assert losses[True] == losses[False] and len(losses[True]) == 3
+    events = read_records(tmp_path / "run-True" / "events.jsonl")
+    phases = [(e["event"], e["step"]) for e in events
+              if e["event"] in ("sleep", "step", "sync", "wake", "eval")]  # fmt: skip
+    # Each event carries the steps trained when it ended: a sleep's is the step before.
+    assert phases == [
+        (name, step - (name == "sleep")) for step in (1, 2, 3)
+        for name in ("sleep", "step", "sync", "wake")
+    ] + [("eval", 3)]  # fmt: skip
+    assert all(e["keep_weights"] is False for e in events if e["event"] == "sleep")
+    plain = read_records(tmp_path / "run-False" / "events.jsonl")
+    assert "sleep" not in {e["event"] for e in plain}
+
+
 @pytest.mark.parametrize("anyio_backend", ["asyncio"])  # the backends: the test above
 @pytest.mark.anyio
 async def test_async_run_then_export_loads_in_vllm(
@@ -304,6 +367,18 @@ BAD: dict[str, tuple[dict[str, Any], str]] = {
     "interrupt with a vLLM engine": (
         {"engine": "vllm", "inflight_at_sync": "interrupt"},
         "`$.trainer.inflight_at_sync`",
+    ),
+    "a colocated server": (
+        {"engine": "vllm-server", "engine_options": {"colocate": True}},
+        "`$.trainer.engine_options.colocate`",
+    ),
+    "devices of an in-process engine": (
+        {"engine": "vllm", "engine_options": {"devices": [1]}},
+        "`$.trainer.engine_options.devices`",
+    ),
+    "colocated with the local engine": (
+        {"engine": "local", "engine_options": {"colocate": True}},
+        "`$.trainer.engine_options.colocate`",
     ),
 }
 

@@ -124,6 +124,23 @@ class AdapterEngine(Protocol):
         ...
 
 
+@runtime_checkable
+class SleepingEngine(Protocol):
+    """An engine on the trainer's GPU that gives its memory back while the trainer
+    steps (vLLM's sleep mode): the template calls :meth:`sleep` before each update and
+    :meth:`wake` after the step's sync, so the order is sleep → train → sync → wake. A
+    weight update while asleep first brings its weights back."""
+
+    async def sleep(self, keep_weights: bool) -> None:
+        """Release the engine's device memory; its weights are kept (offloaded) when
+        ``keep_weights``, else dropped (a weight update follows before the wake)."""
+        ...
+
+    async def wake(self) -> None:
+        """Take the memory back; the engine serves again."""
+        ...
+
+
 class EngineWrapper:
     """An :class:`Engine` that passes every call to ``inner``: a wrapper (instruments,
     injected faults) overrides only the calls it adds to."""

@@ -31,6 +31,7 @@ import torch
 from corun.base.config import Config as CorunConfig
 from corun.base.config import TrainerConfig
 from corun.contract.data import Dataset, IndexData
+from corun.contract.engine import SleepingEngine
 from corun.contract.episodes import EpisodeInbox
 from corun.contract.policy import ServedPolicy
 from corun.contract.training_api import TrainingBackend
@@ -215,6 +216,7 @@ class SetupContext:
         # the CPU.
         self.device = device or torch.device("cpu")
         self.teardowns: list[tuple[str, TeardownFn]] = []
+        self.sleepers: list[SleepingEngine] = []  # engines colocated on self.device
         self.optimizers: list[OptimizerSpec] = []
         self.kept: dict[str, Stateful] = {}
         self._register = register
@@ -241,6 +243,12 @@ class SetupContext:
         """Save ``component``'s state with every checkpoint and restore it on resume
         (runtime-side pieces such as the rollout weight history of a fixed schedule)."""
         self.kept[name] = component
+
+    def share_device(self, engine: SleepingEngine) -> None:
+        """An engine on the trainer's device that sleeps while the trainer steps: the
+        template puts it to sleep before each update and wakes it after the step's
+        sync (phases ``sleep`` and ``wake``)."""
+        self.sleepers.append(engine)
 
     def on_teardown(self, name: str, fn: TeardownFn) -> None:
         """Run ``fn`` (sync or async) at teardown, logged as ``teardown:<name>``.

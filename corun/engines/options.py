@@ -31,6 +31,18 @@ class EngineOptions(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_
     # VLLM_CPU_KVCACHE_SPACE: the KV cache's memory on CPU, GiB.
     kv_cache_gib: Annotated[int, msgspec.Meta(ge=1)] = 1
     max_num_seqs: Annotated[int, msgspec.Meta(ge=1)] = 256  # sequences batched at once
+    # On a GPU: the share of its memory vLLM may take (weights, activations, KV cache);
+    # unset: vLLM's 0.9 on a GPU of its own, 0.3 colocated (the trainer has the rest).
+    gpu_memory_utilization: Annotated[float, msgspec.Meta(gt=0, le=1)] | None = None
+    # "vllm": the engine shares the trainer's GPU, and sleeps (vLLM's sleep mode: its
+    # memory given back) while the trainer steps: sleep → train → sync → wake, each a
+    # phase of the template. Only at loop.concurrency = 1 (generation and training
+    # alternate). On CPU the phases run and vLLM's sleep does nothing.
+    colocate: bool = False
+    # "vllm-server": the GPUs of this node the server runs on (CUDA_VISIBLE_DEVICES;
+    # tensor parallel over them), apart from the trainer's; weight syncs go device to
+    # device through vLLM's weight-transfer API (NCCL; CUDA IPC on the trainer's GPU).
+    devices: list[Annotated[int, msgspec.Meta(ge=0)]] = msgspec.field(default_factory=list)
     seed: int = 0  # vLLM's own seed (every request also carries its own)
     # The precision of the engine's weights (the trainer keeps float32 master weights):
     # "auto" is bfloat16 where CUDA is available, float32 on CPU (resolved_dtype).
@@ -62,10 +74,20 @@ class VLLMConfig(EngineOptions, frozen=True, forbid_unknown_fields=True, kw_only
     model: str
 
 
-def _cuda() -> bool:
+def on_gpu() -> bool:
+    """Whether vLLM runs on a GPU here (CUDA available), which sets its defaults."""
     import torch
 
     return bool(torch.cuda.is_available())
+
+
+def memory_share(options: EngineOptions) -> float:
+    """vLLM's ``gpu_memory_utilization``: as set, else 0.3 colocated (the trainer's
+    weights, optimizer state and activations need the rest; vLLM sleeps while they are
+    used) and vLLM's own 0.9 on GPUs of its own."""
+    if options.gpu_memory_utilization is not None:
+        return options.gpu_memory_utilization
+    return 0.3 if options.colocate else 0.9
 
 
 def resolved_dtype(options: EngineOptions) -> Precision:
@@ -82,7 +104,7 @@ def resolved_dtype(options: EngineOptions) -> Precision:
     """
     if options.dtype != "auto":
         return options.dtype
-    return "bfloat16" if _cuda() else "float32"
+    return "bfloat16" if on_gpu() else "float32"
 
 
 def engine_dtype(options: EngineOptions) -> torch.dtype:
@@ -101,4 +123,4 @@ def eager(options: EngineOptions) -> bool:
     decode step is many small kernels: graphs launch them at once)."""
     if options.enforce_eager is not None:
         return options.enforce_eager
-    return not _cuda()
+    return not on_gpu()

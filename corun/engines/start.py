@@ -27,6 +27,7 @@ from pathlib import Path
 from typing import Any, Literal, Protocol
 
 import msgspec
+import torch
 from torch import Tensor
 
 from corun.base.errors import ConfigError
@@ -67,6 +68,17 @@ def check_engine(kind: EngineKind, options: EngineOptions, interrupt: bool) -> N
             f'`$.trainer.inflight_at_sync` = "interrupt": the {kind!r} engine cannot switch '
             'weights under a running request (it drains them); use "drain"'
         )
+    elif kind == "vllm-server" and options.colocate:
+        raise ConfigError(
+            f'`$.{WHERE}.colocate`: the "vllm-server" engine runs in a process of its own; '
+            'on the trainer\'s GPU use engine = "vllm" (in process, it sleeps while the '
+            "trainer steps)"
+        )
+    elif kind == "vllm" and options.devices:
+        raise ConfigError(
+            f'`$.{WHERE}.devices`: an in-process "vllm" engine runs on the trainer\'s '
+            'device; on GPUs of its own use engine = "vllm-server"'
+        )
 
 
 async def start_engine(
@@ -80,6 +92,7 @@ async def start_engine(
     model has its layers injected), which a vLLM engine loads as version 0 (set
     ``options.lora_rank``). Returns it bounded by the other deadlines of ``options``."""
     check_engine(kind, options, interrupt)
+    check_placement(options, ctx)
     bounded = BoundedEngine(
         f"the {kind!r} engine", WHERE, options.request_timeout_s, options.shutdown_timeout_s
     )
@@ -89,6 +102,8 @@ async def start_engine(
         # once started, the engine is torn down in order whatever follows.
         bounded.inner = await _start(kind, options, policy, pad_id, ctx, interrupt)
         ctx.on_teardown("engine", bounded.shutdown)
+        if options.colocate:  # the template puts it to sleep while the trainer steps
+            ctx.share_device(bounded.sleeper())
         if kind != "local":  # vLLM loaded the directory's weights; the policy may differ
             await bounded.inner.update_weights(base_weights(policy.weights()), 0)
             if adapter is not None:
@@ -97,6 +112,28 @@ async def start_engine(
         if wrap is not None:
             bounded.inner = await wrap(bounded.inner)
     return bounded
+
+
+def check_placement(options: EngineOptions, ctx: SetupContext) -> None:
+    """Where the engine runs, against the run: a colocated engine alternates with the
+    trainer (concurrency 1); an engine's own GPUs exist and are not the trainer's."""
+    if options.colocate and ctx.config.loop.concurrency > 1:
+        raise ConfigError(
+            f"`$.{WHERE}.colocate`: a colocated engine sleeps while the trainer steps, so "
+            f"generation cannot overlap training (loop.concurrency = "
+            f"{ctx.config.loop.concurrency}); set loop.concurrency = 1"
+        )
+    if not options.devices:
+        return
+    count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    missing = [d for d in options.devices if d >= count]
+    if missing:
+        raise ConfigError(
+            f"`$.{WHERE}.devices` = {options.devices}: this machine has {count} CUDA "
+            f"device(s), no cuda:{missing[0]}"
+        )
+    if len(set(options.devices)) != len(options.devices):
+        raise ConfigError(f"`$.{WHERE}.devices` = {options.devices}: a device named twice")
 
 
 async def _start(

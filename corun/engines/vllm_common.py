@@ -23,7 +23,15 @@ from corun.base.errors import ConfigError
 from corun.base.rng import stable_seed
 from corun.contract.engine import Adapter, Sampling
 from corun.engines.lora import write_adapter
-from corun.engines.options import OPTIONS, WHERE, VLLMConfig, eager, resolved_dtype
+from corun.engines.options import (
+    OPTIONS,
+    WHERE,
+    VLLMConfig,
+    eager,
+    memory_share,
+    on_gpu,
+    resolved_dtype,
+)
 
 # vLLM's max_lora_rank takes these (vllm.config.lora.MaxLoRARanks, vLLM 0.32).
 LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
@@ -35,6 +43,10 @@ def engine_settings(config: VLLMConfig) -> dict[str, Any]:
     ``max_loras`` adapters in a batch, one more in the worker's cache, so loading the
     newest never evicts one that a running generation uses."""
     settings: dict[str, Any] = {"dtype": resolved_dtype(config), "enforce_eager": eager(config)}
+    if on_gpu():  # vLLM's CPU build takes neither (its KV cache: kv_cache_gib)
+        settings["gpu_memory_utilization"] = memory_share(config)
+        if config.colocate:
+            settings["enable_sleep_mode"] = True
     if config.lora_rank is not None:
         rank = next((r for r in LORA_RANKS if r >= config.lora_rank), None)
         if rank is None:

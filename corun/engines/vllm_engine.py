@@ -117,6 +117,7 @@ class VLLMEngine(DrainingEngine):
         self._unclaimed: set[_Batch] = set()  # settled, its caller not yet told
         self._requests: dict[str, tuple[_Batch, int]] = {}  # in vLLM (the lane's alone)
         self._adapters = AdapterVersions(config.max_loras)
+        self._asleep: list[str] = []  # what vLLM's sleep released: "weights", "kv_cache"
 
     @classmethod
     async def start(cls, config: VLLMConfig, lane: Lane | None = None) -> VLLMEngine:
@@ -159,6 +160,8 @@ class VLLMEngine(DrainingEngine):
         self, prompts: Sequence[Sequence[int]], sampling: Sampling, seed: int
     ) -> list[Generation]:
         self._check()
+        if self._asleep:
+            raise EngineError("vLLM is asleep (colocated: the trainer is stepping)")
         # A lane call that completes swallows its caller's cancellation until the next
         # checkpoint; a cancelled caller must not start vLLM work (a loop of calls
         # would otherwise never stop).
@@ -230,6 +233,22 @@ class VLLMEngine(DrainingEngine):
             return await self._lane.run(self._fingerprint_blocking, directory)
         except RuntimeError as exc:  # vLLM no longer holds the newest adapter
             raise EngineError(f"vLLM weights fingerprint: {one_line(exc)}") from None
+
+    async def sleep(self, keep_weights: bool) -> None:
+        """Colocation (``colocate``): vLLM's sleep mode gives the GPU memory back while
+        the trainer steps — level 1 offloads the weights to CPU memory, level 2 drops
+        them (a weight update follows, which wakes them first); the KV cache is dropped
+        either way. On CPU vLLM's sleep does nothing, and the same calls run."""
+        self._check()
+        await self._lane.run(self._llm.sleep, 1 if keep_weights else 2)
+        self._asleep = ["weights", "kv_cache"]
+
+    async def wake(self) -> None:
+        """Take back what :meth:`sleep` released and serve again."""
+        self._check()
+        if self._asleep:
+            await self._lane.run(self._llm.wake_up, list(self._asleep))
+            self._asleep = []
 
     async def health(self) -> bool:
         return self._dead is None
@@ -392,6 +411,9 @@ class VLLMEngine(DrainingEngine):
     def _reload_blocking(self, state: dict[str, Tensor]) -> None:
         from corun.engines.vllm_worker import reload_state
 
+        if "weights" in self._asleep:  # colocated: the weights back before they load
+            self._llm.wake_up(["weights"])
+            self._asleep.remove("weights")
         tensors = {name: t.detach() for name, t in state.items()}
         self._llm.collective_rpc(reload_state, args=(tensors,))
         if not self._llm.reset_prefix_cache():

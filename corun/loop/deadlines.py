@@ -47,7 +47,15 @@ from contextlib import contextmanager
 import anyio
 from torch import Tensor
 
-from corun.contract.engine import Adapter, AdapterEngine, Engine, EngineError, Generation, Sampling
+from corun.contract.engine import (
+    Adapter,
+    AdapterEngine,
+    Engine,
+    EngineError,
+    Generation,
+    Sampling,
+    SleepingEngine,
+)
 from corun.contract.user_calls import DeadlineError as DeadlineError
 from corun.contract.user_calls import deadline as deadline
 
@@ -142,6 +150,14 @@ class BoundedEngine:
             with deadline(f"{self.name}'s shutdown", self.shutdown_timeout_s, setting):
                 await self.inner.shutdown()
 
+    def sleeper(self) -> SleepingEngine:
+        """The started engine's sleep and wake (it must have them), under the request
+        deadline; a wrapper set around it later is bypassed (it wraps the calls)."""
+        started = self._live()
+        if not isinstance(started, SleepingEngine):
+            raise EngineError(f"{self.name} cannot sleep (no colocation)")
+        return _BoundedSleep(self, started)
+
     def _live(self) -> Engine:
         if self.dead is not None or self.inner is None:
             raise EngineError(f"{self.name} is unusable: {self.dead or 'not started'}")
@@ -156,3 +172,20 @@ class BoundedEngine:
         except DeadlineError as exc:
             self.dead = str(exc)
             raise
+
+
+class _BoundedSleep:
+    """:meth:`BoundedEngine.sleeper`: sleep and wake with the engine's deadline."""
+
+    def __init__(self, bounded: BoundedEngine, engine: SleepingEngine) -> None:
+        self.bounded, self.engine = bounded, engine
+
+    async def sleep(self, keep_weights: bool) -> None:
+        self.bounded._live()
+        with self.bounded._request("sleep"):
+            await self.engine.sleep(keep_weights)
+
+    async def wake(self) -> None:
+        self.bounded._live()
+        with self.bounded._request("wake"):
+            await self.engine.wake()

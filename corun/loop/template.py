@@ -39,6 +39,7 @@ from corun.execution.compute import abandoning, blocking_io, call_hook
 from corun.loop.cadence import Cadence
 from corun.loop.checkpointer import Checkpointer
 from corun.loop.clock import Clock, IdleTimes
+from corun.loop.colocation import Colocation
 from corun.loop.evaluation import Evaluator
 from corun.loop.extensions import Extensions, RemoteRollouts, Service
 from corun.loop.fused import FusedUpdate, Ran
@@ -121,6 +122,7 @@ class _Run:
         self.remote: RemoteRollouts | None = None
         self.updater: Updater | None = None  # for a trainer that supplies a loss
         self.plain_update = False  # the update is one plain call on the train lane
+        self.colocation = Colocation((), self.cadence, phases)  # engines that sleep
         self.outcome: Outcome | None = None
 
     # ------------------------------------------------------------------ the template
@@ -193,6 +195,7 @@ class _Run:
             await call_hook(self.lanes.train, trainer.setup, ctx)
         self.events.emit("setup", self.clock.step)
         self.checkpointer.kept = ctx.kept
+        self.colocation.engines = ctx.sleepers
         self.updater = Updater.of(trainer, ctx.optimizers, config)
         self.plain_update = self._update_is_plain()
         self.dataset = distributed.sharded(trainer.dataset())  # the rank's slice of each batch
@@ -235,7 +238,10 @@ class _Run:
             self.events, distributed.rollout_config(self.config), stop=self.config.run.steps,
             remote=self.remote, kept=self.checkpointer.rollouts,
         )  # fmt: skip
-        fused = FusedUpdate(self._apply_update, self.clock) if self.plain_update else None
+        # An update fused into its rollout's lane call would run before a colocated
+        # engine sleeps.
+        fuses = self.plain_update and not self.colocation.engines
+        fused = FusedUpdate(self._apply_update, self.clock) if fuses else None
         async with producer.batches(fused) as next_batch:
             while self.clock.step < self.config.run.steps:
                 try:
@@ -262,6 +268,7 @@ class _Run:
         staleness = self.clock.version - batch.version
         since = ran.handed if ran is not None else None
         step = self.clock.step + 1
+        await self.colocation.sleep(step)
         with self.phases.phase("train", "train", "step", since, step=step) as trained:
             metrics = await self._update(batch, ran)
             # The update has been applied: record it before any further await, so a
@@ -275,6 +282,7 @@ class _Run:
                 trained.fields["weights"] = batch.weights
         step = self.clock.step  # then each of these when the cadence says
         await self.weights.after(step)
+        await self.colocation.wake(step)
         await self.evaluator.after(step)
         await self.checkpointer.after(step)
         self.clock.completed()
