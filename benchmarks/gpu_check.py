@@ -42,6 +42,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # corun and trainers, uninstalled
 
+from benchmarks import gpu_recipes
+
 QWEN: dict[str, Any] = {"vocab_size": 151936, "hidden_size": 896, "intermediate_size": 4864,
         "num_hidden_layers": 24, "num_attention_heads": 14, "num_key_value_heads": 2}  # fmt: skip
 TINY: dict[str, Any] = {"vocab_size": 512, "hidden_size": 64, "intermediate_size": 128,
@@ -318,8 +320,11 @@ def main(argv: list[str] | None = None) -> int:
         )  # fmt: skip
         trained = json.loads(out.read_text())
         synced = anyio.run(syncs, model_dir, grid, engine_kind, args.eager)
-    print(report(trained, synced, grid))
-    return 0
+        print(report(trained, synced, grid), flush=True)
+        device = "cpu" if args.cpu_smoke else "cuda"
+        recipes, ok = gpu_recipes.check(device, ranks, args.cpu_smoke, Path(tmp))
+    print(recipes)
+    return 0 if ok else 1
 
 
 if __name__ == "__main__":

@@ -88,7 +88,9 @@ def markdown_table(table: Table, plot: bool = True) -> list[str]:
     lines += [f"| {' | '.join(table.columns)} |", f"|{'---|' * len(table.columns)}"]
     lines += [f"| {' | '.join(row)} |" for row in table.rows]
     where = f" (plot `{table.suite}-{table.name}.png`)" if plot else ""
-    lines += ["", f"Ratio{where}: against {table.baseline}."]
+    lines += [""]
+    if table.baseline:  # a table of figures alone has no ratio
+        lines += [f"Ratio{where}: against {table.baseline}."]
     lines += [f"{note}" for note in table.notes]
     return [*lines, ""]
 

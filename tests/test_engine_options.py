@@ -35,6 +35,8 @@ from corun.engines.options import EngineOptions, VLLMConfig, eager, engine_dtype
 from corun.engines.start import check_engine, check_placement
 from corun.engines.transformers_engine import TransformersEngine
 from corun.engines.vllm_common import engine_settings
+from corun.engines.vllm_server import _placement
+from corun.engines.weight_transfer import backend_for, server_env
 from tests.support.config import make_config
 from tests.support.vllm_helpers import perturb, prompts
 from trainers.hf.policy import ChatFormat, HFPolicy
@@ -55,10 +57,10 @@ def test_auto_follows_the_device(monkeypatch: pytest.MonkeyPatch, cuda: bool) ->
 
 @pytest.mark.parametrize("cuda", [False, True])
 def test_vllm_settings_follow_the_device(monkeypatch: pytest.MonkeyPatch, cuda: bool) -> None:
-    """On a GPU vLLM takes a memory share (0.3 colocated, 0.9 apart, or as set) and,
-    colocated, its sleep mode; its CPU build is given neither."""
+    """On a GPU vLLM takes a memory share (0.3 on the trainer's GPU, 0.9 on its own,
+    or as set) and, colocated, its sleep mode; its CPU build is given neither."""
     monkeypatch.setattr(torch.cuda, "is_available", lambda: cuda)
-    apart = engine_settings(VLLMConfig(model="m"))
+    apart = engine_settings(VLLMConfig(model="m", devices=[1], own_gpus=True))
     colocated = engine_settings(VLLMConfig(model="m", colocate=True))
     chosen = engine_settings(VLLMConfig(model="m", colocate=True, gpu_memory_utilization=0.5))
     if not cuda:
@@ -137,3 +139,23 @@ def test_amx_reported_only_where_usable() -> None:
 
     if torch.cpu._is_amx_tile_supported():
         assert amx_permitted()
+
+
+def test_server_apart_takes_weights_device_to_device() -> None:
+    """A server on GPUs of its own (``devices``) takes the trained weights through
+    vLLM's weight-transfer API: NCCL from another GPU, CUDA IPC on the trainer's own
+    (NCCL does not join two ranks on one device), a file off CUDA; it runs tensor
+    parallel over its GPUs unless set. (The transfer itself needs CUDA: it has not run
+    here.)"""
+    cuda0, cpu = torch.device("cuda", 0), torch.device("cpu")
+    assert backend_for([1, 2], cuda0) == "nccl"
+    assert backend_for([0], cuda0) == "ipc"
+    assert backend_for([1], cpu) is None and backend_for([], cuda0) is None
+    apart = VLLMConfig(model="m", devices=[1, 2], weight_transfer="nccl")
+    assert _placement(apart) == [
+        "--tensor-parallel-size", "2", "--weight-transfer-config", '{"backend": "nccl"}',
+    ]  # fmt: skip
+    assert apart.workers == 2
+    chosen = VLLMConfig(model="m", devices=[1, 2], options={"tensor_parallel_size": 1})
+    assert _placement(chosen) == [] and chosen.workers == 1
+    assert server_env("ipc") == {"VLLM_ALLOW_INSECURE_SERIALIZATION": "1"}

@@ -11,8 +11,10 @@ from typing import Any
 
 import anyio
 import pytest
+import torch
 
 import corun
+from corun.records import checkpoint
 from corun.records.events import read_records
 from tests.support.config import make_config
 from tests.support.fakes import FakeTrainer
@@ -110,3 +112,33 @@ async def test_trace_is_valid_json_across_a_resume(tmp_path: Path) -> None:
     assert all(e["dur"] >= 0 for e in spans)
     tracks = {e["args"]["name"] for e in events if e["name"] == "thread_name"}
     assert {"producer", "trainer"} <= tracks
+
+
+async def test_checkpoint_written_on_a_gpu_resumes_on_the_cpu(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Checkpoints load onto the run's device: a checkpoint whose tensors were saved
+    from CUDA (their storage tagged ``cuda:0``, which torch cannot load on a machine
+    without CUDA unless mapped) resumes here exactly as the CPU's own. Made by
+    re-saving step 4's tensors with torch's location tag set to ``cuda:0``: this
+    machine cannot make real CUDA storage. The other way (a CPU checkpoint onto a GPU)
+    is the same load followed by ``load_state_dict`` into the run's device-resident
+    modules and optimizers (torch copies and casts to each parameter's device): it has
+    not run here."""
+    straight = _trainer(tmp_path / "straight", 8)
+    first = _trainer(tmp_path / "split", 4)
+    with anyio.fail_after(60):
+        await corun.run(straight, straight.run_config)
+        await corun.run(first, first.run_config)
+    saved = tmp_path / "split" / "checkpoints" / "step-4" / checkpoint.TENSORS_FILE
+    tensors = torch.load(saved, weights_only=True)
+    with monkeypatch.context() as patch:
+        patch.setattr(torch.serialization, "location_tag", lambda storage: "cuda:0")
+        torch.save(tensors, saved)
+    with pytest.raises(RuntimeError, match="CUDA"):  # the file now claims CUDA storage
+        torch.load(saved, weights_only=True)
+    resumed = _trainer(tmp_path / "split", 8)
+    with anyio.fail_after(60):
+        await corun.run(resumed, resumed.run_config)
+    assert_state_equal(straight.state_dict(), resumed.state_dict())
+    assert _training_metrics(tmp_path / "straight") == _training_metrics(tmp_path / "split")

@@ -32,7 +32,7 @@ class EngineOptions(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_
     kv_cache_gib: Annotated[int, msgspec.Meta(ge=1)] = 1
     max_num_seqs: Annotated[int, msgspec.Meta(ge=1)] = 256  # sequences batched at once
     # On a GPU: the share of its memory vLLM may take (weights, activations, KV cache);
-    # unset: vLLM's 0.9 on a GPU of its own, 0.3 colocated (the trainer has the rest).
+    # unset: vLLM's 0.9 on GPUs of its own (devices), else 0.3 (the trainer's GPU).
     gpu_memory_utilization: Annotated[float, msgspec.Meta(gt=0, le=1)] | None = None
     # "vllm": the engine shares the trainer's GPU, and sleeps (vLLM's sleep mode: its
     # memory given back) while the trainer steps: sleep → train → sync → wake, each a
@@ -72,6 +72,15 @@ class VLLMConfig(EngineOptions, frozen=True, forbid_unknown_fields=True, kw_only
     safetensors, tokenizer)."""
 
     model: str
+    # Set by corun (engines/start.py), not a setting: how a server on GPUs of its own
+    # takes the trained weights (weight_transfer.py); None: from a file.
+    weight_transfer: Literal["nccl", "ipc"] | None = None
+    own_gpus: bool = False  # set by corun: on devices that are not the trainer's
+
+    @property
+    def workers(self) -> int:
+        """The server's GPU workers: tensor parallel over its devices."""
+        return int(self.options.get("tensor_parallel_size", len(self.devices) or 1))
 
 
 def on_gpu() -> bool:
@@ -81,13 +90,13 @@ def on_gpu() -> bool:
     return bool(torch.cuda.is_available())
 
 
-def memory_share(options: EngineOptions) -> float:
-    """vLLM's ``gpu_memory_utilization``: as set, else 0.3 colocated (the trainer's
-    weights, optimizer state and activations need the rest; vLLM sleeps while they are
-    used) and vLLM's own 0.9 on GPUs of its own."""
-    if options.gpu_memory_utilization is not None:
-        return options.gpu_memory_utilization
-    return 0.3 if options.colocate else 0.9
+def memory_share(config: VLLMConfig) -> float:
+    """vLLM's ``gpu_memory_utilization``: as set, else vLLM's own 0.9 on GPUs of its
+    own, and 0.3 on the trainer's GPU (in process, or a server there): the trainer's
+    weights, optimizer state and activations need the rest."""
+    if config.gpu_memory_utilization is not None:
+        return config.gpu_memory_utilization
+    return 0.9 if config.own_gpus else 0.3
 
 
 def resolved_dtype(options: EngineOptions) -> Precision:

@@ -36,6 +36,7 @@ from corun.contract.trainer import SetupContext
 from corun.engines.decode import CausalLM
 from corun.engines.lora import base_weights
 from corun.engines.options import LOCAL, WHERE, EngineOptions, VLLMConfig, engine_dtype
+from corun.engines.weight_transfer import backend_for
 from corun.loop.deadlines import BoundedEngine, deadline
 from corun.loop.lanes import lane as run_lane
 
@@ -153,7 +154,10 @@ async def _start(
             policy, pad_id, lane, owns_lane=not shared, interrupt=interrupt,
             dtype=engine_dtype(options),
         )  # fmt: skip
-    settings = VLLMConfig(model=str(policy.source), **_fields(options))
+    transfer = backend_for(options.devices, ctx.device) if kind == "vllm-server" else None
+    own_gpus = bool(options.devices) and ctx.device.index not in options.devices
+    settings = VLLMConfig(model=str(policy.source), weight_transfer=transfer,
+                          own_gpus=own_gpus, **_fields(options))  # fmt: skip
     if kind == "vllm":
         from corun.engines.vllm_engine import VLLMEngine
 

@@ -48,7 +48,10 @@ every later call raises :class:`EngineError` at once (``health()`` is false); it
 message names the tensor being loaded. Tests: tests/test_vllm.py.
 
 Precision and graph mode: ``[trainer.engine_options] dtype`` and ``enforce_eager``
-with their per-device defaults (options.py). LoRA (``lora_rank`` set): vLLM is built
+with their per-device defaults (options.py). Colocation (``colocate``):
+:meth:`VLLMEngine.sleep` and :meth:`VLLMEngine.wake` around each train step
+(corun/loop/colocation.py); asleep, a generation is refused and a weight update wakes
+the weights before loading them. LoRA (``lora_rank`` set): vLLM is built
 with LoRA support, and :meth:`VLLMEngine.update_adapter` writes each adapter version
 into the engine's own directory and loads it as a vLLM LoRA adapter on the lane,
 between two decode steps, without draining: every generation admitted from then on

@@ -41,7 +41,6 @@ from __future__ import annotations
 
 import os
 import shutil
-import socket
 import subprocess
 import sys
 import tempfile
@@ -58,7 +57,7 @@ from torch import Tensor
 from corun.base.errors import ConfigError
 from corun.contract.engine import Adapter, EngineError, Finish, Generation, Sampling
 from corun.engines.lora import require_lora
-from corun.engines.options import OPTIONS, VLLMConfig
+from corun.engines.options import OPTIONS, VLLMConfig, engine_dtype
 from corun.engines.vllm_common import (
     AdapterVersions,
     DrainingEngine,
@@ -73,8 +72,9 @@ from corun.engines.vllm_common import (
     top_entries,
     unsupported_model,
 )
+from corun.engines.weight_transfer import DeviceTransfer, server_env, server_flags
 from corun.execution import procs
-from corun.execution.procs import ChildProcess
+from corun.execution.procs import ChildProcess, free_port
 
 T = TypeVar("T")
 MODEL_NAME = "corun"  # --served-model-name
@@ -93,12 +93,13 @@ class VLLMServerEngine(DrainingEngine):
         self._dead: str | None = None
         self._stopped = False
         self._adapters = AdapterVersions(config.max_loras, workdir / "adapters")
+        self._transfer: DeviceTransfer | None = None  # weights device to device
 
     @classmethod
     async def start(cls, config: VLLMConfig) -> VLLMServerEngine:
         check_options(config.options, config)
         workdir = Path(tempfile.mkdtemp(prefix="corun-vllm-"))
-        port = _free_port()
+        port = free_port()
         try:
             child = await anyio.to_thread.run_sync(_launch, config, port, workdir)
         except BaseException:  # no server was started (Popen failed): only the directory
@@ -108,6 +109,12 @@ class VLLMServerEngine(DrainingEngine):
         try:
             await engine._wait_healthy()
             await engine.generate([[0]], Sampling(max_tokens=1), 0)
+            if config.weight_transfer is not None:
+                transfer = DeviceTransfer(
+                    engine._url, config.weight_transfer, config.workers, engine_dtype(config)
+                )
+                engine._transfer = transfer
+                await engine._call(lambda _: anyio.to_thread.run_sync(transfer.open))
         except EngineError as exc:
             error: Exception = unsupported_model(engine._log_text(), config.model) or exc
             await engine.shutdown()
@@ -165,14 +172,19 @@ class VLLMServerEngine(DrainingEngine):
         try:
             self._check()
             path = self._workdir / "weights.safetensors"
-            await anyio.to_thread.run_sync(_save, dict(state), path)
+            transfer = self._transfer
+            if transfer is None:
+                await anyio.to_thread.run_sync(_save, dict(state), path)
 
             async def reload(client: httpx.AsyncClient) -> None:
                 await self._post(client, "/pause", params={"mode": "wait"})
                 try:
-                    rpc = {"method": "corun_reload", "args": [str(path)]}
-                    await self._post(client, "/collective_rpc", json=rpc)
-                except EngineError as exc:  # the model is half-loaded: nothing can use it
+                    if transfer is not None:  # device to device (weight_transfer.py)
+                        await anyio.to_thread.run_sync(transfer.send, dict(state))
+                    else:
+                        rpc = {"method": "corun_reload", "args": [str(path)]}
+                        await self._post(client, "/collective_rpc", json=rpc)
+                except (EngineError, RuntimeError, OSError) as exc:  # half-loaded: unusable
                     detail = str(exc).removeprefix("vLLM server: ")
                     log = self._workdir / "server.log"
                     self._dead = (
@@ -252,6 +264,9 @@ class VLLMServerEngine(DrainingEngine):
         self._stopped = True
         self._dead = self._dead or "the engine was shut down"
         with anyio.CancelScope(shield=True):
+            if self._transfer is not None:  # its NCCL group before the server's end
+                with anyio.move_on_after(5.0):
+                    await anyio.to_thread.run_sync(self._transfer.close, abandon_on_cancel=True)
             await anyio.to_thread.run_sync(self._child.stop, 5.0)
             # stop() waits for the server alone; vLLM's engine-core and worker processes
             # in its group die of the SIGKILL a moment later. Wait for them (bounded),
@@ -382,7 +397,7 @@ def _launch(config: VLLMConfig, port: int, workdir: Path) -> ChildProcess:
         "--logits-processors", PROCESSOR, "--worker-extension-cls", EXTENSION,
         "--generation-config", "vllm", "--disable-uvicorn-access-log",
         *(["--max-model-len", str(config.max_model_len)] if config.max_model_len else []),
-        *_flags(config.options),
+        *_placement(config), *_flags(config.options),
     ]  # fmt: skip
     env = {
         **os.environ, "VLLM_SERVER_DEV_MODE": "1",
@@ -395,10 +410,25 @@ def _launch(config: VLLMConfig, port: int, workdir: Path) -> ChildProcess:
         # /v1/load_lora_adapter and /v1/unload_lora_adapter (update_adapter).
         "VLLM_ALLOW_RUNTIME_LORA_UPDATING": "1" if config.lora_rank is not None else "0",
     }  # fmt: skip
+    if config.devices:  # GPUs of its own (engine_options.devices)
+        env["CUDA_VISIBLE_DEVICES"] = ",".join(map(str, config.devices))
+    if config.weight_transfer is not None:
+        env |= server_env(config.weight_transfer)
     env.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
     with open(workdir / "server.log", "wb") as log:  # the child keeps its own descriptor
         return ChildProcess(argv, stdin=subprocess.DEVNULL, stdout=log,
                             stderr=subprocess.STDOUT, env=env)  # fmt: skip
+
+
+def _placement(config: VLLMConfig) -> list[str]:
+    """Tensor parallel over the server's own GPUs (unless set), and how it takes
+    weights from the trainer's (weight_transfer.py)."""
+    flags = []
+    if len(config.devices) > 1 and "tensor_parallel_size" not in config.options:
+        flags += ["--tensor-parallel-size", str(len(config.devices))]
+    if config.weight_transfer is not None:
+        flags += server_flags(config.weight_transfer)
+    return flags
 
 
 def _flags(options: Mapping[str, Any]) -> list[str]:
@@ -412,12 +442,6 @@ def _flags(options: Mapping[str, Any]) -> list[str]:
         else:
             flags += [flag, str(value)]
     return flags
-
-
-def _free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return int(probe.getsockname()[1])
 
 
 def _save(state: dict[str, Tensor], path: Path) -> None:

@@ -73,6 +73,16 @@ def describe(device: torch.device) -> dict[str, Any]:
             "device_memory_gib": _memory_gib()}  # fmt: skip
 
 
+def memory_metrics(device: torch.device) -> dict[str, float]:
+    """A step's ``perf/device_memory_peak_gib`` on a GPU: the most torch held on it
+    since the last step (then reset); none on CPU."""
+    if device.type != "cuda":
+        return {}
+    peak = torch.cuda.max_memory_allocated(device) / 2**30
+    torch.cuda.reset_peak_memory_stats(device)
+    return {"perf/device_memory_peak_gib": round(peak, 3)}
+
+
 def _cpu_name() -> str:
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():

@@ -18,6 +18,7 @@ import os
 import runpy
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -161,3 +162,10 @@ def _watched_main(argv: list[str]) -> None:
 
 if __name__ == "__main__":
     _watched_main(sys.argv[1:])
+
+
+def free_port() -> int:
+    """A TCP port on the loopback that nothing listens on now (for a child to bind)."""
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return int(probe.getsockname()[1])

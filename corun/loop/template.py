@@ -275,7 +275,8 @@ class _Run:
             # cancellation from here on cannot lose the step's bookkeeping.
             self.clock.trained(batch.index)
             idle, lag = self.idle.take(), self.clock.async_metrics(staleness)
-            trained.metrics = {**metrics, **batch.metrics, **idle, **lag}
+            memory = device.memory_metrics(self.device)
+            trained.metrics = {**metrics, **batch.metrics, **idle, **lag, **memory}
             trained.fields = {"version": self.clock.version, "index": batch.index,
                               "rollout_version": batch.version}  # fmt: skip
             if batch.weights:

@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import os
 import secrets
-import socket
 import sys
 import tempfile
 import time
@@ -30,7 +29,7 @@ from pathlib import Path
 
 from corun.base.config import RolloutConfig
 from corun.contract.engine import EngineError
-from corun.execution.procs import ChildProcess
+from corun.execution.procs import ChildProcess, free_port
 
 # Fixed by default in `ray start`; two clusters on one machine must not share them.
 _PORT_FLAGS = (
@@ -41,12 +40,6 @@ _PORT_FLAGS = (
 
 class RayClusterError(EngineError):
     """The Ray cluster could not be started or reached."""
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 class LocalCluster:
@@ -63,7 +56,7 @@ class LocalCluster:
             # The workers import the trainer the way this process does.
             "PYTHONPATH": os.pathsep.join(p for p in sys.path if p and Path(p).is_dir()),
         }  # fmt: skip
-        ports = [f"{flag}={_free_port()}" for flag in _PORT_FLAGS]
+        ports = [f"{flag}={free_port()}" for flag in _PORT_FLAGS]
         args = [
             "start", "--head", "--block", f"--num-cpus={num_cpus}",
             f"--temp-dir={self.temp_dir}", "--port=0", "--node-ip-address=127.0.0.1",
