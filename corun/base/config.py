@@ -50,6 +50,13 @@ class RunConfig(Section, frozen=True, forbid_unknown_fields=True, kw_only=True):
     # Data-parallel processes on this machine: `corun train` launches torchrun with
     # this many ranks (corun/scale/launch.py); 1 trains in this process.
     nproc: Lanes = 1
+    # Several machines ("nodes"; corun/scale/launch.py): `corun train` on each with the
+    # same config, run.nnodes = N, its own run.node_rank (0 .. N-1; node 0 holds global
+    # rank 0 and the rendezvous) and node 0's address, run.rdzv_endpoint = "HOST:PORT";
+    # run.nproc ranks on each, and run.dir on a filesystem every node shares.
+    nnodes: PositiveInt = 1
+    node_rank: NonNegativeInt = 0
+    rdzv_endpoint: Annotated[str, msgspec.Meta(pattern=r"^$|^[^\s:]+:[0-9]{1,5}$")] = ""
     # How a model that supports it is spread over those ranks (corun/execution/parallel.py):
     # "ddp" replicates it on every rank and averages gradients (fastest while the model
     # and its optimizer state fit one device); "fsdp" shards parameters, gradients and
@@ -74,6 +81,23 @@ class RunConfig(Section, frozen=True, forbid_unknown_fields=True, kw_only=True):
     # each reward function call on one sample (a verifier, a sandboxed test run or an
     # HTTP judge), the sample's prompt named in the line.
     reward_timeout_s: PositiveFloat = 60.0
+
+    def __post_init__(self) -> None:
+        if self.node_rank >= self.nnodes:
+            raise ValueError(
+                f"`node_rank` = {self.node_rank} is not a node of `nnodes` = {self.nnodes} "
+                f"(0 .. {self.nnodes - 1})"
+            )
+        if self.nnodes > 1 and not self.rdzv_endpoint:
+            raise ValueError(
+                f'`rdzv_endpoint` = "": `nnodes` = {self.nnodes} needs node 0\'s '
+                '"HOST:PORT", the same on every node'
+            )
+
+    @property
+    def world_size(self) -> int:
+        """Ranks over every node."""
+        return self.nnodes * self.nproc
 
 
 class LoopConfig(Section, frozen=True, forbid_unknown_fields=True, kw_only=True):

@@ -29,7 +29,9 @@ from __future__ import annotations
 
 import ctypes
 import os
+import secrets
 import signal
+import socket
 import threading
 import time
 from collections.abc import Iterator, Mapping, Sequence
@@ -119,6 +121,91 @@ def share_run_dir(path: Path) -> None:
     """Record the run directory (rank 0's) for this rank's sharded checkpoint writes:
     a rank's other records go to a scratch directory of its own."""
     _groups["run_dir"] = path
+
+
+def check_shared(run_dir: Path) -> None:
+    """Across nodes, every rank reads and writes the run directory (checkpoint shards,
+    the resume point): refuse, on every rank at once, a directory some node does not
+    share. Rank 0 writes a marker there; each rank reports whether it sees it."""
+    if not _across_nodes():  # one node: one filesystem
+        return
+    size = world().size
+    group = _groups["checkpoint"]  # gloo: plain Python objects
+    marker = run_dir / f".corun-nodes-{secrets.token_hex(6)}"
+    made = [""]
+    if world().rank == 0:
+        try:
+            run_dir.mkdir(parents=True, exist_ok=True)
+            marker.write_text(socket.gethostname())
+            made[0] = marker.name
+        except OSError as exc:
+            made[0] = f"!cannot write there ({exc.strerror})"
+    dist.broadcast_object_list(made, src=0, group=group)
+    if made[0].startswith("!"):
+        raise ConfigError(f"`$.run.dir` = {str(run_dir)!r}: {made[0][1:]}")
+    seen: list[tuple[int, str, bool]] = [(0, "", True)] * size
+    node = int(os.environ.get("GROUP_RANK", "0"))
+    mine = (node, socket.gethostname(), (run_dir / made[0]).exists())
+    dist.all_gather_object(seen, mine, group=group)
+    dist.barrier(group=group)
+    if world().rank == 0:
+        (run_dir / made[0]).unlink(missing_ok=True)
+    blind = sorted({(n, host) for n, host, sees in seen if not sees})
+    if blind:
+        node, host = blind[0]
+        raise ConfigError(
+            f"`$.run.dir` = {str(run_dir)!r}: node {node} ({host}) does not see what node 0 "
+            "writes there; every node needs it on a filesystem they share (NFS, Lustre, a "
+            "cluster's shared home), at the same path"
+        )
+
+
+def _across_nodes() -> bool:
+    size = world().size
+    return size > int(os.environ.get("LOCAL_WORLD_SIZE", size))
+
+
+def follow_stops() -> None:
+    """Across nodes, a signal reaches one node's ranks (its launcher's): each rank
+    watches the rendezvous store for a stop another node's rank announced
+    (:func:`announce_stop`) and stops as if it had received the signal itself."""
+    if not _across_nodes():
+        return
+    store = dist.TCPStore(  # type: ignore[attr-defined]  # public, not re-exported
+        os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False,
+        timeout=timedelta(seconds=30), wait_for_workers=False,
+    )  # fmt: skip
+    _groups["stop_store"] = store
+    node = os.environ.get("GROUP_RANK", "0")
+
+    def watch() -> None:
+        while not _stopping.is_set():
+            try:
+                if store.check([_STOP_KEY]):
+                    signum, origin = store.get(_STOP_KEY).decode().split()
+                    if origin != node and not _stopping.is_set():
+                        _stopping.set()
+                        os.kill(os.getpid(), int(signum))
+                    return
+            except Exception:  # the store is gone (node 0 ended): nothing more to follow
+                return
+            time.sleep(0.2)
+
+    threading.Thread(target=watch, name="corun-stop-follower", daemon=True).start()
+
+
+def announce_stop(signum: int) -> None:
+    """This rank's first stop signal: the other nodes' ranks stop too (the first
+    announcement stands; a rank that follows one does not announce again)."""
+    if _stopping.is_set():
+        return
+    _stopping.set()
+    store = _groups.get("stop_store")
+    if store is not None:
+        try:
+            store.compare_set(_STOP_KEY, "", f"{signum} {os.environ.get('GROUP_RANK', '0')}")
+        except Exception:  # the store is gone: the other nodes have ended
+            pass
 
 
 def shared_run_dir() -> Path | None:
@@ -247,6 +334,8 @@ def sharded(dataset: Any, w: World | None = None) -> Any:
 
 _timeout_s = [300.0]
 _groups: dict[str, Any] = {}
+_STOP_KEY = "corun/stop"  # in the rendezvous store: "<signal number> <node>"
+_stopping = threading.Event()  # this rank got (or followed) a stop signal
 _local = threading.local()
 
 

@@ -135,9 +135,9 @@ def main(argv: list[str] | None = None) -> int:
         serve_only = args.command == "serve"
         if serve_only:
             config = _serve_config(config)
-        if config.run.nproc > 1 and not distributed.launched_size() and not serve_only:
+        if config.run.world_size > 1 and not distributed.launched_size() and not serve_only:
             trainer = resolve_trainer(config.trainer.kind)(config)
-            distributed.check_supported(trainer, config, config.run.nproc)
+            distributed.check_supported(trainer, config, config.run.world_size)
             device.resolve(config.run.device)  # refused before any rank starts
             return launch.launch(args.config, args.overrides, config)
         if distributed.launched_size() > 1:
@@ -198,6 +198,8 @@ def _rank_main(config: Config, serve_only: bool) -> int:
     try:
         trainer = resolve_trainer(config.trainer.kind)(config)
         distributed.check_supported(trainer, config, world.size)
+        distributed.check_shared(config.run_dir)  # across nodes: one filesystem
+        distributed.follow_stops()  # across nodes: a signal to one node stops all
         distributed.share_run_dir(config.run_dir)  # where every rank writes its shards
         if not world.writes:
             scratch = _scratch_dir(world.rank)
@@ -330,6 +332,7 @@ async def _watch_signals(control: RunControl, config: Config) -> None:
             code = _SIGNAL_EXIT[name]
             if received == 1:
                 print(f"corun: {name}: stopping; again to skip saving", file=sys.stderr)
+                distributed.announce_stop(signum)  # the other nodes' ranks, if any
                 _arm_hard_deadline(config, code)
                 control.stop("interrupted", signal=name)
             elif received == 2:

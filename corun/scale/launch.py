@@ -9,7 +9,10 @@ signal it receives to each of them; a rank whose agent dies gets SIGTERM
 
 Signals to the launcher: the first SIGINT/SIGTERM goes to the agent, which passes it
 to every rank: each tears down in the documented order and exits 130/143, then the
-agent and the launcher exit with the same status. A second goes to the ranks directly
+agent and the launcher exit with the same status. With several nodes (``run.nnodes``)
+the ranks of the other nodes follow: a rank's first signal is announced in the
+rendezvous store, and every rank stops on it as if signalled
+(corun/execution/distributed.py's ``announce_stop``). A second goes to the ranks directly
 (they skip optional steps); a third, or ``run.hard_deadline_s`` after the first, kills
 every rank and the agent. Otherwise the ranks' exit status is passed through; a rank
 killed by a signal is reported in one line and the run exits 1.
@@ -32,14 +35,15 @@ import tempfile
 import threading
 from types import FrameType
 
-from corun.base.config import Config
+from corun.base.config import Config, RunConfig
 from corun.execution.procs import ChildProcess
 
 
 def launch(config_path: str, overrides: list[str], config: Config) -> int:
-    """Run torchrun with ``run.nproc`` ranks of ``corun train`` until it exits."""
+    """Run torchrun with ``run.nproc`` ranks of ``corun train`` (this node's, of
+    ``run.nnodes``) until it exits."""
     argv = [
-        sys.executable, "-m", "corun.scale.launch", "--standalone",
+        sys.executable, "-m", "corun.scale.launch", *_rendezvous(config.run),
         f"--nproc-per-node={config.run.nproc}", "--monitor-interval=0.1",
         f"--shutdown-timeout={math.ceil(config.run.hard_deadline_s)}",
         "-m", "corun", "train", config_path, *overrides,
@@ -76,6 +80,17 @@ def launch(config_path: str, overrides: list[str], config: Config) -> int:
         if owned:
             shutil.rmtree(ranks_dir, ignore_errors=True)
     return code
+
+
+def _rendezvous(run: RunConfig) -> list[str]:
+    """One node: torchrun's own local rendezvous. Several: the static one at node 0's
+    ``run.rdzv_endpoint`` (node 0's agent serves its store), each node at its
+    ``run.node_rank``, so node 0 holds global rank 0."""
+    if run.nnodes == 1:
+        return ["--standalone"]
+    host, port = run.rdzv_endpoint.rsplit(":", 1)
+    return [f"--nnodes={run.nnodes}", f"--node-rank={run.node_rank}",
+            f"--master-addr={host}", f"--master-port={port}"]  # fmt: skip
 
 
 def children(pid: int) -> list[int]:
