@@ -219,6 +219,10 @@ class RolloutConfig(Section, frozen=True, forbid_unknown_fields=True, kw_only=Tr
     # CPUs of the local cluster; unset: one per worker (actor_cpus each).
     num_cpus: PositiveInt | None = None
     actor_cpus: Annotated[float, msgspec.Meta(ge=0)] = 1.0
+    # Custom Ray resources each actor needs, e.g. {worker = 1}: the actors land only on
+    # the nodes started with them (`ray start --resources='{"worker": 4}'`); refused at
+    # start, in one line, when no node of the cluster has them.
+    resources: dict[str, Annotated[float, msgspec.Meta(gt=0)]] = msgspec.field(default_factory=dict)
     # A rollout call that takes longer counts as a dead worker (its actor is killed).
     call_timeout_s: PositiveFloat = 600.0
     # Cluster start, actor start (model build) and each actor's shutdown.

@@ -19,6 +19,7 @@ the cluster and to this driver through the environment (``RAY_AUTH_TOKEN``) — 
 
 from __future__ import annotations
 
+import json
 import os
 import secrets
 import sys
@@ -28,6 +29,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from corun.base.config import RolloutConfig
+from corun.base.errors import ConfigError
 from corun.contract.engine import EngineError
 from corun.execution.procs import ChildProcess, free_port
 
@@ -43,24 +45,36 @@ class RayClusterError(EngineError):
 
 
 class LocalCluster:
-    """``ray start --head --block`` in a process group this run owns."""
+    """``ray start --head --block`` in a process group this run owns; or, with
+    ``join``, another node of that cluster on this machine (``ray start --address``:
+    how tests stand up a cluster of several nodes on loopback). ``resources``: the
+    node's custom resources (``rollout.resources`` places actors by them)."""
 
-    def __init__(self, num_cpus: int, timeout_s: float) -> None:
+    def __init__(
+        self, num_cpus: int, timeout_s: float, *, resources: dict[str, float] | None = None,
+        join: LocalCluster | None = None,
+    ) -> None:  # fmt: skip
         base = os.environ.get("RAY_TMPDIR") or tempfile.gettempdir()
         # Short: Ray's unix socket paths live under it (107-byte limit).
         self.temp_dir = Path(tempfile.mkdtemp(prefix="corun-ray-", dir=base))
-        self.auth = {"RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": secrets.token_hex(32)}
+        # One token for the whole cluster: a joining node uses its head's.
+        self.auth: dict[str, str] = join.auth if join else {
+            "RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": secrets.token_hex(32)}  # fmt: skip
         self.saved_env: dict[str, str | None] | None = None  # while this driver uses auth
         env = {
             **os.environ, **self.auth, "RAY_USAGE_STATS_ENABLED": "0",
             # The workers import the trainer the way this process does.
             "PYTHONPATH": os.pathsep.join(p for p in sys.path if p and Path(p).is_dir()),
         }  # fmt: skip
-        ports = [f"{flag}={free_port()}" for flag in _PORT_FLAGS]
+        flags = _PORT_FLAGS if join is None else _PORT_FLAGS[2:]  # the first two: the head's
+        ports = [f"{flag}={free_port()}" for flag in flags]
+        where = (["--head", "--port=0", "--include-dashboard=false"] if join is None
+                 else [f"--address={join.address}"])  # fmt: skip
         args = [
-            "start", "--head", "--block", f"--num-cpus={num_cpus}",
-            f"--temp-dir={self.temp_dir}", "--port=0", "--node-ip-address=127.0.0.1",
-            "--include-dashboard=false", "--disable-usage-stats", *ports,
+            "start", *where, "--block", f"--num-cpus={num_cpus}",
+            f"--temp-dir={self.temp_dir}", "--node-ip-address=127.0.0.1",
+            "--disable-usage-stats", *ports,
+            *([f"--resources={json.dumps(resources)}"] if resources else []),
         ]  # fmt: skip
         log = open(self.temp_dir / "ray-start.log", "wb")
         try:  # it dies with this process, even by SIGKILL, its temp dir too
@@ -70,7 +84,7 @@ class LocalCluster:
             )  # fmt: skip
         finally:
             log.close()
-        self.address = self._wait_address(timeout_s)
+        self.address: str = self._wait_address(timeout_s)
 
     def _wait_address(self, timeout_s: float) -> str:
         marker = self.temp_dir / "ray_current_cluster"
@@ -120,6 +134,25 @@ def _reload_auth() -> None:
 
     RayConfig.initialize("")
     AuthenticationTokenLoader.instance().reset_cache()
+
+
+def check_resources(settings: RolloutConfig) -> None:
+    """Refuse ``rollout.resources`` that no node of the connected cluster offers (each
+    actor's amount on one node): Ray would keep the actors pending until the start
+    deadline. Blocking."""
+    import ray
+
+    if not settings.resources:
+        return
+    alive = [node for node in ray.nodes() if node.get("Alive")]  # type: ignore[no-untyped-call]
+    nodes = [node.get("Resources", {}) for node in alive]
+    if any(all(have.get(k, 0) >= v for k, v in settings.resources.items()) for have in nodes):
+        return
+    offered = sorted({k for have in nodes for k in have if not k.startswith("node:")})
+    raise ConfigError(
+        f"`$.rollout.resources` = {settings.resources}: no node of the Ray cluster offers "
+        f"them (its nodes' resources: {', '.join(offered)})"
+    )
 
 
 def connect(

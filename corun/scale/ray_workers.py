@@ -51,7 +51,7 @@ from corun.contract.trainer import Batch, RolloutContext, Trainer
 from corun.execution.compute import Lane
 from corun.loop.clock import Clock
 from corun.records.events import EventLog
-from corun.scale.ray_cluster import LocalCluster, connect
+from corun.scale.ray_cluster import LocalCluster, check_resources, connect
 
 _POLL_S = 0.1  # a cancelled call returns within this
 _CLOSE_S = 5.0  # each actor's trainer teardown, at most
@@ -107,8 +107,11 @@ class RolloutActor:
         self.trainer.setup(self.ctx)
         self.version = -1
 
-    def ready(self) -> int:
-        return os.getpid()
+    def ready(self) -> tuple[int, str]:
+        """The actor's pid and the id of the Ray node it landed on."""
+        import ray
+
+        return os.getpid(), ray.get_runtime_context().get_node_id()
 
     def rollout(
         self, inputs: Any, index: int, attempt: int, version: int, weights: list[Any]
@@ -189,19 +192,22 @@ class RayWorkers:
         import ray
         import ray.exceptions as rex
 
+        check_resources(self.settings)  # a placement no node offers would wait forever
         actor_cls = ray.remote(RolloutActor).options(
-            num_cpus=self.settings.actor_cpus, max_restarts=0, max_concurrency=1
-        )
+            num_cpus=self.settings.actor_cpus, resources=self.settings.resources,
+            max_restarts=0, max_concurrency=1,
+        )  # fmt: skip
         self.actors = [actor_cls.remote(config, os.getcwd()) for _ in range(num_workers)]
         try:
-            self.pids = await self._get_all([actor.ready.remote() for actor in self.actors])
+            ready = await self._get_all([actor.ready.remote() for actor in self.actors])
         except (rex.RayError, TimeoutError) as exc:
             first = str(exc).strip().splitlines()[-1] if str(exc).strip() else type(exc).__name__
             raise RolloutWorkerLost(f"a Ray rollout worker did not start: {first}") from None
+        self.pids = [pid for pid, _ in ready]
         for version, weights in scheduled.items():
             await self.publish(version, weights)
         await self.publish(self.clock.published)
-        fields: dict[str, Any] = {"pids": self.pids}
+        fields: dict[str, Any] = {"pids": self.pids, "nodes": [node for _, node in ready]}
         if self.cluster is not None:  # its session holds every process Ray started
             fields["cluster_pid"] = self.cluster.child.pid
         self.events.emit("rollout_workers", self.clock.step, workers=num_workers,
