@@ -9,6 +9,7 @@ corun/contract/config_file.py.
 from __future__ import annotations
 
 import hashlib
+import os
 import tomllib
 from pathlib import Path
 from typing import Annotated, Any, Literal
@@ -230,6 +231,9 @@ class RolloutConfig(Section, frozen=True, forbid_unknown_fields=True, kw_only=Tr
     # A worker that died mid-rollout: "redo" its batch on a live worker (the run fails
     # only when none is left), or "fail" the run with one line.
     on_worker_lost: Literal["redo", "fail"] = "redo"
+    # A fleet of engine servers (trainer.engine = "remote"): with no member serving, a
+    # rollout waits this long for one to come back, then the run fails in one line.
+    fleet_timeout_s: PositiveFloat = 300.0
 
 
 class CheckpointConfig(Section, frozen=True, forbid_unknown_fields=True, kw_only=True):
@@ -258,11 +262,25 @@ class LogConfig(Section, frozen=True, forbid_unknown_fields=True, kw_only=True):
     progress: Literal["auto", "rich", "plain", "off"] = "auto"
 
 
+def secret(value: str, where: str) -> str:
+    """A token setting's value, or the environment variable it names (``env:NAME``)."""
+    if not value.startswith("env:"):
+        return value
+    name = value.removeprefix("env:")
+    found = os.environ.get(name)
+    if not found:
+        raise ConfigError(f"{where} = {value!r}: ${name} is not set")
+    return found
+
+
 class ServeConfig(Section, frozen=True, forbid_unknown_fields=True, kw_only=True):
     """``[serve]``: the OpenAI-compatible policy endpoint (corun/serve/), served from the
     current rollout weights during a run (and by ``corun serve``)."""
 
     enabled: bool = False
+    # Set by `corun engine serve`: the trainer's rollout engine for a training run's
+    # fleet (corun/serve/engine_server.py) in place of the endpoint.
+    fleet: bool = False
     # Loopback by default: the endpoint has no TLS, so exposing it is a decision.
     host: str = "127.0.0.1"
     port: Annotated[int, msgspec.Meta(ge=0, le=65535)] = 0  # 0: any free port

@@ -141,6 +141,18 @@ class SleepingEngine(Protocol):
         ...
 
 
+@runtime_checkable
+class MeasuredEngine(Protocol):
+    """An engine with figures of its own for the step's metrics (a fleet's members)."""
+
+    def metrics(self) -> dict[str, float]: ...
+
+
+def engine_metrics(engine: object) -> dict[str, float]:
+    """``engine``'s own figures, if it has any (:class:`MeasuredEngine`)."""
+    return engine.metrics() if isinstance(engine, MeasuredEngine) else {}
+
+
 class EngineWrapper:
     """An :class:`Engine` that passes every call to ``inner``: a wrapper (instruments,
     injected faults) overrides only the calls it adds to."""

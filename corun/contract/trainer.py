@@ -31,7 +31,7 @@ import torch
 from corun.base.config import Config as CorunConfig
 from corun.base.config import TrainerConfig
 from corun.contract.data import Dataset, IndexData
-from corun.contract.engine import SleepingEngine
+from corun.contract.engine import Engine, SleepingEngine
 from corun.contract.episodes import EpisodeInbox
 from corun.contract.policy import ServedPolicy
 from corun.contract.training_api import TrainingBackend
@@ -331,6 +331,11 @@ class Trainer(Generic[C]):
         """The models a training-API client creates and drives step by step
         (``serve.tinker``, corun/serve/tinker/): LoRA adapters over this trainer's set-up
         base model. None: this trainer serves no such API."""
+        return None
+
+    def rollout_engine(self) -> Engine | None:
+        """The set-up trainer's rollout engine, for ``corun engine serve`` to serve to a
+        training run's fleet (corun/serve/engine_server.py). None: it has no engine."""
         return None
 
     # ---- evaluation

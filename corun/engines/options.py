@@ -16,6 +16,8 @@ WHERE = "trainer.engine_options"
 OPTIONS = f"$.{WHERE}.options"  # where EngineOptions.options come from
 DEADLINES = ("start_timeout_s", "request_timeout_s", "shutdown_timeout_s")  # every engine's
 LOCAL = (*DEADLINES, "dtype", "lora_rank", "max_loras")  # what the "local" engine takes too
+FLEET = ("urls", "bucket_mb", "token")  # the "remote" engine's alone
+REMOTE = (*DEADLINES, "dtype", *FLEET)  # what it takes (dtype: its servers' precision)
 
 Dtype = Literal["auto", "float32", "bfloat16", "float16"]
 Precision = Literal["float32", "bfloat16", "float16"]
@@ -56,6 +58,12 @@ class EngineOptions(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_
     # finishes on the adapter it started with.
     lora_rank: Annotated[int, msgspec.Meta(ge=1)] | None = None
     max_loras: Annotated[int, msgspec.Meta(ge=1)] = 2
+    # "remote": the fleet's engine servers (`corun engine serve`), their base URLs; a
+    # sync streams the weights to each in buckets of bucket_mb; token: the servers'
+    # serve.token ("env:NAME" reads $NAME).
+    urls: list[str] = msgspec.field(default_factory=list)
+    bucket_mb: Annotated[int, msgspec.Meta(ge=1)] = 64
+    token: str = ""
     # More vllm.LLM keyword arguments (in process) or api_server flags (server: the key
     # with "-" for "_"), e.g. {enable_prefix_caching = false}; a wrong one is exit 2.
     options: dict[str, Any] = msgspec.field(default_factory=dict)

@@ -30,17 +30,26 @@ import msgspec
 import torch
 from torch import Tensor
 
+from corun.base.config import secret
 from corun.base.errors import ConfigError
 from corun.contract.engine import Adapter, AdapterEngine, Engine
 from corun.contract.trainer import SetupContext
 from corun.engines.decode import CausalLM
 from corun.engines.lora import base_weights
-from corun.engines.options import LOCAL, WHERE, EngineOptions, VLLMConfig, engine_dtype
+from corun.engines.options import (
+    FLEET,
+    LOCAL,
+    REMOTE,
+    WHERE,
+    EngineOptions,
+    VLLMConfig,
+    engine_dtype,
+)
 from corun.engines.weight_transfer import backend_for
 from corun.loop.deadlines import BoundedEngine, deadline
 from corun.loop.lanes import lane as run_lane
 
-EngineKind = Literal["local", "vllm", "vllm-server"]
+EngineKind = Literal["local", "vllm", "vllm-server", "remote"]
 
 
 class Policy(CausalLM, Protocol):
@@ -56,29 +65,34 @@ class Policy(CausalLM, Protocol):
 
 def check_engine(kind: EngineKind, options: EngineOptions, interrupt: bool) -> None:
     """Options the chosen engine does not take: a usage error naming the setting."""
-    if kind == "local":
-        default = EngineOptions()
-        for name in options.__struct_fields__:
-            if name not in LOCAL and getattr(options, name) != getattr(default, name):
-                raise ConfigError(
-                    f'`$.trainer.engine_options.{name}`: the "local" engine has no such option '
-                    '(it applies to "vllm" and "vllm-server")'
-                )
-    elif interrupt:
+    default = EngineOptions()
+    for name in options.__struct_fields__:
+        if name not in _TAKES[kind] and getattr(options, name) != getattr(default, name):
+            takers = " and ".join(f"{k!r}" for k, takes in _TAKES.items() if name in takes)
+            raise ConfigError(
+                f"`$.{WHERE}.{name}`: the {kind!r} engine has no such option (it applies to "
+                f"{takers})"
+            )
+    if interrupt and kind != "local":
         raise ConfigError(
             f'`$.trainer.inflight_at_sync` = "interrupt": the {kind!r} engine cannot switch '
             'weights under a running request (it drains them); use "drain"'
         )
-    elif kind == "vllm-server" and options.colocate:
+    if kind == "vllm-server" and options.colocate:
         raise ConfigError(
             f'`$.{WHERE}.colocate`: the "vllm-server" engine runs in a process of its own; '
             'on the trainer\'s GPU use engine = "vllm" (in process, it sleeps while the '
             "trainer steps)"
         )
-    elif kind == "vllm" and options.devices:
+    if kind == "vllm" and options.devices:
         raise ConfigError(
             f'`$.{WHERE}.devices`: an in-process "vllm" engine runs on the trainer\'s '
             'device; on GPUs of its own use engine = "vllm-server"'
+        )
+    if kind == "remote" and not options.urls:
+        raise ConfigError(
+            f'`$.{WHERE}.urls` = []: engine = "remote" needs the URLs of its engine servers '
+            "(`corun engine serve CONFIG` prints each one's)"
         )
 
 
@@ -113,6 +127,14 @@ async def start_engine(
         if wrap is not None:
             bounded.inner = await wrap(bounded.inner)
     return bounded
+
+
+_VLLM = tuple(name for name in EngineOptions.__struct_fields__ if name not in FLEET)
+_SERVER = tuple(name for name in _VLLM if name != "colocate")
+_TAKES: dict[str, tuple[str, ...]] = {
+    "local": LOCAL, "vllm": tuple(n for n in _VLLM if n != "devices"), "vllm-server": _SERVER,
+    "remote": REMOTE,
+}  # fmt: skip
 
 
 def check_placement(options: EngineOptions, ctx: SetupContext) -> None:
@@ -153,6 +175,14 @@ async def _start(
         return TransformersEngine(
             policy, pad_id, lane, owns_lane=not shared, interrupt=interrupt,
             dtype=engine_dtype(options),
+        )  # fmt: skip
+    if kind == "remote":
+        from corun.engines.fleet import FleetEngine
+
+        return await FleetEngine.connect(
+            options.urls, request_timeout_s=options.request_timeout_s,
+            fleet_timeout_s=ctx.config.rollout.fleet_timeout_s, bucket_mb=options.bucket_mb,
+            token=secret(options.token, f"{WHERE}.token"),
         )  # fmt: skip
     transfer = backend_for(options.devices, ctx.device) if kind == "vllm-server" else None
     own_gpus = bool(options.devices) and ctx.device.index not in options.devices

@@ -98,6 +98,12 @@ def _parser() -> argparse.ArgumentParser:
         if name == "simulate":  # corun/sim/simulate.py
             sub.add_argument("--fit", metavar="RUN_DIR", help="fit the model to a run's records")
             sub.add_argument("--out", metavar="DIR", help="default runs/simulate/<run.name>")
+    text = "serve the config's rollout engine to a training run's fleet (engine = \"remote\")"
+    engine = commands.add_parser("engine", help=text, description=text)
+    serve = engine.add_subparsers(dest="action", required=True, parser_class=_Parser).add_parser(
+        "serve", help=text, description=text)  # fmt: skip
+    serve.add_argument("config", help="a TOML config file, or a recipe's name (corun recipes)")
+    serve.add_argument("overrides", nargs="*", metavar="KEY.PATH=VALUE", help="config overrides")
     commands.add_parser("bench", help=BENCH_TEXT, add_help=False)  # its arguments: _bench's
     text = "list the recipes corun ships (corun train NAME trains one)"
     recipes = commands.add_parser("recipes", help=text, description=text)
@@ -132,9 +138,9 @@ def main(argv: list[str] | None = None) -> int:
         if args.command == "validate":
             print(to_toml(config), end="")
             return EXIT_OK
-        serve_only = args.command == "serve"
+        serve_only = args.command in ("serve", "engine")
         if serve_only:
-            config = _serve_config(config)
+            config = _serve_config(config, fleet=args.command == "engine")
         if config.run.world_size > 1 and not distributed.launched_size() and not serve_only:
             trainer = resolve_trainer(config.trainer.kind)(config)
             distributed.check_supported(trainer, config, config.run.world_size)
@@ -252,16 +258,19 @@ def _terminate(signum: int, frame: object) -> None:
     raise SystemExit(_SIGNAL_EXIT["SIGTERM"])
 
 
-def _serve_config(config: Config) -> Config:
+def _serve_config(config: Config, fleet: bool = False) -> Config:
     """``corun serve``'s config: the endpoint on, the run's latest checkpoint (if any)
-    restored, records in ``<run dir>/serve``."""
+    restored, records in ``<run dir>/serve``. ``fleet`` (``corun engine serve``): the
+    rollout engine instead, records in ``<run dir>/engine-<pid>`` (several servers of
+    one config may run on one machine)."""
     latest = checkpoint.latest(config.run_dir)
     replace = msgspec.structs.replace
+    records = f"engine-{os.getpid()}" if fleet else "serve"
     return replace(
         config,
-        run=replace(config.run, dir=str(config.run_dir / "serve")),
+        run=replace(config.run, dir=str(config.run_dir / records)),
         checkpoint=replace(config.checkpoint, resume=str(latest) if latest else False),
-        serve=replace(config.serve, enabled=True),
+        serve=replace(config.serve, enabled=True, fleet=fleet),
         log=replace(config.log, progress="off"),  # no steps to show
     )
 

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from functools import partial
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 from corun.base.config import Config
 from corun.base.errors import ConfigError
@@ -31,8 +31,11 @@ from corun.loop.session import Session
 from corun.loop.teardown import RunControl
 from corun.records.prerequisites import final_checkpoint
 from corun.scale.ray_workers import RayWorkers
+from corun.serve.engine_server import EngineServer
 from corun.serve.server import Endpoint
 from corun.serve.tinker.server import TinkerServer
+
+T = TypeVar("T")
 
 
 async def run(
@@ -68,24 +71,31 @@ def extensions(trainer: Trainer[Any], config: Config, session: Session) -> Exten
 
 def _endpoint(
     trainer: Trainer[Any], config: Config, inbox: EpisodeInbox
-) -> Endpoint | TinkerServer:
+) -> Endpoint | TinkerServer | EngineServer:
     """The endpoint of the set-up trainer's policy, on a lane of its own (with
-    ``serve.tinker``: the Tinker server of its models)."""
+    ``serve.tinker``: the Tinker server of its models; ``serve.fleet``: its rollout
+    engine for a training run's fleet)."""
     serve_lane = lane(config, "serve")
-    if config.serve.tinker:
-        backend = trainer.training_backend()
-        if backend is None:
+    kind = config.trainer.kind
+
+    def required(found: T | None, why: str) -> T:
+        if found is None:
             serve_lane.close()
-            raise ConfigError(
-                f"`$.serve.tinker`: trainer {config.trainer.kind!r} serves no models to train "
-                "(the hf_* kinds do)"
-            )
+            raise ConfigError(why)
+        return found
+
+    if config.serve.fleet:
+        engine = required(trainer.rollout_engine(), (
+            f"`corun engine serve`: trainer {kind!r} has no rollout engine to serve (the "
+            "hf_grpo, hf_ppo and hf_agentic kinds do)"))  # fmt: skip
+        return EngineServer(engine, config.serve, serve_lane)
+    if config.serve.tinker:
+        backend = required(trainer.training_backend(), (
+            f"`$.serve.tinker`: trainer {kind!r} serves no models to train (the hf_* kinds "
+            "do)"))  # fmt: skip
         return TinkerServer(backend, config.serve, serve_lane, config.run_dir)
-    policy = trainer.served_policy(serve_lane)
-    if policy is None:
-        serve_lane.close()
-        kind = config.trainer.kind
-        raise ConfigError(f"`$.serve.enabled`: trainer {kind!r} serves no policy")
+    policy = required(trainer.served_policy(serve_lane),
+                      f"`$.serve.enabled`: trainer {kind!r} serves no policy")  # fmt: skip
     return Endpoint(policy, config.serve, serve_lane, inbox)
 
 

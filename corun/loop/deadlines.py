@@ -55,6 +55,7 @@ from corun.contract.engine import (
     Generation,
     Sampling,
     SleepingEngine,
+    engine_metrics,
 )
 from corun.contract.user_calls import DeadlineError as DeadlineError
 from corun.contract.user_calls import deadline as deadline
@@ -149,6 +150,9 @@ class BoundedEngine:
             setting = f"{self.where}.shutdown_timeout_s"
             with deadline(f"{self.name}'s shutdown", self.shutdown_timeout_s, setting):
                 await self.inner.shutdown()
+
+    def metrics(self) -> dict[str, float]:
+        return engine_metrics(self.inner)
 
     def sleeper(self) -> SleepingEngine:
         """The started engine's sleep and wake (it must have them), under the request

@@ -27,7 +27,7 @@ import anyio.abc
 import sniffio
 from hypercorn.config import Config as HypercornConfig
 
-from corun.base.config import ServeConfig
+from corun.base.config import ServeConfig, secret
 from corun.base.errors import ConfigError
 from corun.contract.episodes import EpisodeInbox
 from corun.contract.policy import ServedPolicy
@@ -42,13 +42,7 @@ KEEP_ALIVE_S = 75.0
 
 def bearer_token(config: ServeConfig) -> str:
     """``serve.token``, or the environment variable it names (``env:NAME``)."""
-    if not config.token.startswith("env:"):
-        return config.token
-    name = config.token.removeprefix("env:")
-    value = os.environ.get(name)
-    if not value:
-        raise ConfigError(f"serve.token = {config.token!r}: ${name} is not set")
-    return value
+    return secret(config.token, "serve.token")
 
 
 class HTTPService:

@@ -33,7 +33,7 @@ from torch import Tensor
 from corun import Batch, ConfigError, Dataset, Lane, RolloutContext, SetupContext, world
 from corun.agents.chat import ChatTemplate, configured_stop_ids
 from corun.agents.served import EnginePolicy
-from corun.contract.engine import Engine, Generation, Sampling
+from corun.contract.engine import Engine, Generation, Sampling, engine_metrics
 from corun.engines.decode import left_pad
 from corun.engines.fingerprint import checked
 from corun.engines.options import EngineOptions, resolved_dtype
@@ -197,6 +197,9 @@ class HFRollouts(PolicyGradientTrainer[Any]):
             self.fingerprints, continuous_batching=self.config.engine != "local",
         )  # fmt: skip
 
+    def rollout_engine(self) -> Engine:
+        return self.engine
+
     def training_backend(self) -> HFTrainingBackend:
         cfg = self.config
         return training_backend(self.policy, self.chat, cfg.engine, cfg.engine_options,
@@ -275,6 +278,7 @@ class HFPrompts(HFRollouts):
             **{f"rollout/reward/{name}": value for name, value in scores.by_function.items()},
             "perf/generate_time_s": generated - started,
             "perf/reward_time_s": time.monotonic() - generated,
+            **engine_metrics(self.engine),  # a fleet's: members serving, dropped, retried
         }
         scored = Scored(rollouts, [str(e.prompt) for e in rows], fill_failed(rewards, ok, n))
         data = self.training_data(scored)

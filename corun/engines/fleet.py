@@ -1,0 +1,252 @@
+"""A fleet of rollout engines on other machines (``trainer.engine = "remote"``,
+``[trainer.engine_options] urls``), each started with ``corun engine serve CONFIG``
+(corun/serve/engine_server.py; the wire form: corun/contract/fleet.py), as one
+:class:`corun.contract.engine.Engine`.
+
+- **Generation** goes to the live member with the fewest calls in flight. A member
+  that fails a call (connection refused or reset, a 5xx, no answer within
+  ``request_timeout_s``) is dropped, and the call is retried on another: a generation
+  is all-or-nothing, so nothing of a failed one is kept or trained twice.
+- **Weights** go to every live member at each sync, streamed in buckets of
+  ``bucket_mb`` over HTTP (packed once, sent to the members concurrently); a member
+  that fails its sync is dropped. After the sync every member's fingerprint (computed
+  on its side) must be the same, and the trainer checks it against the trained
+  weights (trainers/hf/sync.py): a member that did not load them fails the run.
+- **Rejoining**: before each sync (and each second while none serves) the dropped
+  members are asked for ``/health``; one that answers is synced with the others at the
+  next sync and serves from then on — never before it holds the current weights.
+- **None left**: a generation or a sync waits for a member up to
+  ``rollout.fleet_timeout_s`` (probing the dropped ones each second), then fails the
+  run in one line.
+
+The fleet is the user's: shutdown closes corun's connections and stops no server.
+Drops and rejoins are logged as one line each on stderr (``corun: fleet: ...``) and
+counted in :attr:`FleetEngine.counts`.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import anyio
+import anyio.to_thread
+import httpx
+import msgspec
+from torch import Tensor
+
+from corun.contract.engine import EngineError, Generation, Sampling
+from corun.contract.fleet import (
+    Commit,
+    Fingerprint,
+    GenerateReply,
+    GenerateRequest,
+    Health,
+    WireSampling,
+    buckets,
+    pack,
+)
+
+log = logging.getLogger("corun.fleet")
+PROBE_S = 1.0  # between probes of dropped members while none serves
+
+
+class _Failed(Exception):
+    """A member failed a call: it is dropped."""
+
+
+@dataclass(eq=False)
+class Member:
+    url: str
+    live: bool = True
+    busy: int = 0  # calls in flight
+    version: int = -1  # the version it holds (-1: unknown)
+
+
+class FleetEngine:
+    def __init__(
+        self, urls: Sequence[str], *, request_timeout_s: float, fleet_timeout_s: float,
+        bucket_mb: int, token: str = "",
+    ) -> None:  # fmt: skip
+        self.members = [Member(url.rstrip("/")) for url in urls]
+        self.request_timeout_s = request_timeout_s
+        self.fleet_timeout_s = fleet_timeout_s
+        self.bucket_bytes = bucket_mb << 20
+        self.headers = {"authorization": f"Bearer {token}"} if token else {}
+        self._version = 0
+        self._syncing = False
+        self.counts = {"dropped": 0, "rejoined": 0, "retried": 0}
+
+    @classmethod
+    async def connect(cls, urls: Sequence[str], **settings: Any) -> FleetEngine:
+        """The fleet, once every member answers ``/health`` (within the start deadline
+        the caller sets); they must serve the same version."""
+        fleet = cls(urls, **settings)
+        for member in fleet.members:
+            try:
+                member.version = (await fleet._call(member, "GET", "/health", Health)).version
+            except _Failed as exc:
+                raise EngineError(f"fleet member {member.url} does not answer: {exc}") from None
+        return fleet
+
+    @property
+    def version(self) -> int:
+        return self._version
+
+    @property
+    def interrupts(self) -> bool:
+        return False
+
+    async def generate(
+        self, prompts: Sequence[Sequence[int]], sampling: Sampling, seed: int
+    ) -> list[Generation]:
+        body = GenerateRequest([list(p) for p in prompts], WireSampling.of(sampling), seed)
+        while True:
+            member = await self._least_busy()
+            member.busy += 1
+            try:
+                reply = await self._call(member, "POST", "/generate", GenerateReply, body)
+                return [g.generation() for g in reply.generations]
+            except _Failed as exc:
+                self._drop(member, f"generation failed ({exc}); retried on another")
+                self.counts["retried"] += 1
+            finally:
+                member.busy -= 1
+
+    async def update_weights(self, state: Mapping[str, Tensor], version: int) -> None:
+        """Every live member (and every dropped one that answers again) to ``version``;
+        with none left, wait for one up to ``fleet_timeout_s``."""
+        packed = await anyio.to_thread.run_sync(
+            lambda: [pack(b) for b in buckets(state, self.bucket_bytes)]
+        )
+
+        async def send(member: Member) -> None:
+            try:
+                for data in packed:
+                    await self._call(member, "POST", f"/weights/{version}/bucket", None, data)
+                await self._call(member, "POST", f"/weights/{version}/commit", Health,
+                                 Commit(len(state)))  # fmt: skip
+                member.version = version
+            except _Failed as exc:
+                self._drop(member, f"its sync to version {version} failed ({exc})")
+
+        deadline = time.monotonic() + self.fleet_timeout_s
+        self._syncing = True  # no generation starts while the members change weights
+        try:
+            while True:
+                await self._probe_dropped()
+                async with anyio.create_task_group() as group:
+                    for member in self.members:
+                        if member.live:  # a rejoined one too, whatever version it holds
+                            group.start_soon(send, member)
+                if any(m.live and m.version == version for m in self.members):
+                    break
+                self._check_deadline(deadline, f"weight sync to version {version}")
+                await anyio.sleep(PROBE_S)
+        finally:
+            self._syncing = False
+        self._version = version
+
+    async def fingerprint(self) -> str:
+        """The members' common fingerprint; members that differ fail the call."""
+        found: dict[str, list[str]] = {}
+        for member in self._live():
+            try:
+                got = await self._call(member, "GET", "/fingerprint", Fingerprint)
+            except _Failed as exc:
+                self._drop(member, f"its fingerprint failed ({exc})")
+                continue
+            found.setdefault(got.fingerprint, []).append(member.url)
+        if len(found) > 1:
+            seen = "; ".join(f"{', '.join(urls)}: {fp}" for fp, urls in found.items())
+            raise EngineError(f"the fleet's members serve different weights ({seen})")
+        if not found:
+            raise EngineError("no fleet member answers for its fingerprint")
+        return next(iter(found))
+
+    def metrics(self) -> dict[str, float]:
+        """Members serving now; members dropped, back and generations retried so far."""
+        return {"fleet/members_serving": float(len(self._live())),
+                **{f"fleet/{k}": float(v) for k, v in self.counts.items()}}  # fmt: skip
+
+    async def pause(self) -> None:  # each member drains its own generations at a sync
+        pass
+
+    async def resume(self) -> None:
+        pass
+
+    async def health(self) -> bool:
+        return bool(self._live())
+
+    async def shutdown(self) -> None:  # the fleet is the user's: nothing of it to stop
+        pass
+
+    # -- internals -------------------------------------------------------------------
+
+    def _live(self) -> list[Member]:
+        if self._syncing:
+            return []
+        return [m for m in self.members if m.live and m.version == self._version]
+
+    async def _least_busy(self) -> Member:
+        deadline = time.monotonic() + self.fleet_timeout_s
+        while True:
+            live = self._live()
+            if live:
+                return min(live, key=lambda m: m.busy)
+            if not self._syncing:  # a sync in progress is waited for: it has its own bound
+                self._check_deadline(deadline, "a generation")
+            await anyio.sleep(PROBE_S)
+            if not self._syncing:
+                await self._probe_dropped()
+
+    def _check_deadline(self, deadline: float, what: str) -> None:
+        if time.monotonic() > deadline:
+            raise EngineError(
+                f"{what}: no fleet member serves ({', '.join(m.url for m in self.members)}) "
+                f"for {self.fleet_timeout_s:g} s (rollout.fleet_timeout_s)"
+            )
+
+    async def _probe_dropped(self) -> None:
+        """Dropped members that answer again come back, and serve once the next sync
+        has loaded the current weights into them (whatever version they report: a
+        restarted server may report one it restored, with other weights)."""
+        for member in self.members:
+            if member.live:
+                continue
+            try:
+                await self._call(member, "GET", "/health", Health, timeout_s=2.0)
+            except _Failed:
+                continue
+            member.live, member.version = True, -1
+            self.counts["rejoined"] += 1
+            log.warning("fleet: %s is back; it serves from the next sync on", member.url)
+
+    def _drop(self, member: Member, why: str) -> None:
+        if member.live:
+            member.live = False
+            self.counts["dropped"] += 1
+            log.warning("fleet: dropped %s: %s", member.url, why)
+
+    async def _call(
+        self, member: Member, method: str, path: str, reply: type[Any] | None,
+        body: Any = None, timeout_s: float | None = None,
+    ) -> Any:  # fmt: skip
+        content = body if isinstance(body, bytes) or body is None else msgspec.json.encode(body)
+        timeout = timeout_s or self.request_timeout_s
+        try:
+            async with httpx.AsyncClient(timeout=timeout) as client:
+                response = await client.request(
+                    method, member.url + path, content=content, headers=self.headers
+                )
+        except httpx.HTTPError as exc:
+            why = f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
+            raise _Failed(why) from None
+        if response.status_code >= 500:
+            raise _Failed(f"HTTP {response.status_code}: {response.text[:200]}")
+        if response.status_code >= 400:  # a refusal: corun sent something wrong
+            raise EngineError(f"fleet member {member.url} refused {path}: {response.text[:300]}")
+        return None if reply is None else msgspec.json.decode(response.content, type=reply)
