@@ -45,6 +45,7 @@ SUITES = {  # name: the module (benchmarks/<module>.py) whose `suite` it is
     "parallel": "parallel",
     "tinker": "tinker",
     "precision": "precision",
+    "fleet": "fleet",
 }
 GRIDS = ("full", "quick", "tiny")
 EXIT_USAGE, EXIT_INTERRUPTED = 2, 130

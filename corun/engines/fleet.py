@@ -78,6 +78,7 @@ class FleetEngine:
         self.headers = {"authorization": f"Bearer {token}"} if token else {}
         self._version = 0
         self._syncing = False
+        self.sync_bytes = 0.0  # sent at the last sync, to every member together
         self.counts = {"dropped": 0, "rejoined": 0, "retried": 0}
 
     @classmethod
@@ -130,9 +131,11 @@ class FleetEngine:
                 await self._call(member, "POST", f"/weights/{version}/commit", Health,
                                  Commit(len(state)))  # fmt: skip
                 member.version = version
+                self.sync_bytes += sum(len(data) for data in packed)
             except _Failed as exc:
                 self._drop(member, f"its sync to version {version} failed ({exc})")
 
+        self.sync_bytes = 0.0  # sent in this sync, to every member together
         deadline = time.monotonic() + self.fleet_timeout_s
         self._syncing = True  # no generation starts while the members change weights
         try:
@@ -168,8 +171,10 @@ class FleetEngine:
         return next(iter(found))
 
     def metrics(self) -> dict[str, float]:
-        """Members serving now; members dropped, back and generations retried so far."""
+        """Members serving now, MiB sent at the last sync (all members); members
+        dropped, back and generations retried so far."""
         return {"fleet/members_serving": float(len(self._live())),
+                "fleet/sync_mib": self.sync_bytes / 2**20,
                 **{f"fleet/{k}": float(v) for k, v in self.counts.items()}}  # fmt: skip
 
     async def pause(self) -> None:  # each member drains its own generations at a sync

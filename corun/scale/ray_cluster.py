@@ -172,6 +172,8 @@ def connect(
         started(cluster)
         address = cluster.address
         cluster.saved_env = use_auth(cluster.auth)
+    # corun owns the signals (connect runs off the main thread, where Ray says so).
+    logging.getLogger("ray._private.worker").addFilter(_not_the_sigterm_note)
     try:
         ray.init(
             address=address, log_to_driver=False, logging_level=logging.WARNING,
@@ -180,3 +182,7 @@ def connect(
     except Exception as exc:
         where = f"`$.rollout.address` = {address!r}" if settings.address else "local Ray"
         raise RayClusterError(f"{where}: cannot connect ({exc})") from exc
+
+
+def _not_the_sigterm_note(record: object) -> bool:
+    return "SIGTERM handler is not set" not in str(getattr(record, "msg", ""))
