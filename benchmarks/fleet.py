@@ -119,34 +119,29 @@ def fleet_figures(urls: list[str], scratch: Path, grid: Grid) -> dict[str, float
     }  # fmt: skip
 
 
-def killed_member_run(scratch: Path, grid: Grid) -> dict[str, float]:
-    """hf_grpo on 2 members, one SIGKILLed after step 3."""
-    servers = [Server(scratch) for _ in range(2)]
+def killed_member_run(servers: list[Server], scratch: Path, grid: Grid) -> dict[str, float]:
+    """hf_grpo on 2 members, the second SIGKILLed after step 3."""
     run_dir = scratch / "killed"
-    urls = str([s.url for s in servers]).replace("'", '"')
+    urls = str([s.url for s in servers[:2]]).replace("'", '"')
     command = [
         sys.executable, "-m", "corun", "train", "hf_grpo", 'trainer.init_from=""',
         f"run.dir={run_dir}", f"run.steps={grid.run_steps}", "log.progress=off",
         f"loop.eval_interval={grid.run_steps}", "trainer.eval_size=16", "data.batch_size=4",
         "trainer.engine=remote", f"trainer.engine_options.urls={urls}",
     ]  # fmt: skip
-    try:
-        run = subprocess.Popen(command, env=ENV, cwd=scratch, stdout=subprocess.DEVNULL,
-                               stderr=subprocess.PIPE, text=True)  # fmt: skip
+    run = subprocess.Popen(command, env=ENV, cwd=scratch, stdout=subprocess.DEVNULL,
+                           stderr=subprocess.PIPE, text=True)  # fmt: skip
 
-        def stepped() -> int:
-            path = run_dir / "events.jsonl"
-            return sum(e["event"] == "step" for e in read_records(path)) if path.exists() else 0
+    def stepped() -> int:
+        path = run_dir / "events.jsonl"
+        return sum(e["event"] == "step" for e in read_records(path)) if path.exists() else 0
 
-        while stepped() < 3 and run.poll() is None:
-            time.sleep(0.1)
-        servers[1].stop(signal.SIGKILL)
-        _, stderr = run.communicate(timeout=900)
-        if run.returncode:
-            raise RuntimeError(f"the run with a killed member failed: {stderr[-500:]}")
-    finally:
-        for server in servers:
-            server.stop(signal.SIGKILL)
+    while stepped() < 3 and run.poll() is None:
+        time.sleep(0.1)
+    servers[1].stop(signal.SIGKILL)
+    _, stderr = run.communicate(timeout=900)
+    if run.returncode:
+        raise RuntimeError(f"the run with a killed member failed: {stderr[-500:]}")
     steps = [r for r in read_records(run_dir / "metrics.jsonl") if "train/loss" in r]
     times = [e["t"] for e in read_records(run_dir / "events.jsonl") if e["event"] == "step"]
     gaps = [b - a for a, b in itertools.pairwise(times)]
@@ -183,17 +178,18 @@ def nodes_run(scratch: Path, nodes: int, steps: int) -> float:
 
 
 def measure(grid: Grid, scratch: Path, note: Note) -> dict[str, Any]:
-    fleets = {}
-    for size in grid.members:
-        note(f"{size} member(s): sync and throughput")
-        servers = [Server(scratch) for _ in range(size)]
-        try:
-            fleets[size] = fleet_figures([s.url for s in servers], scratch, grid)
-        finally:
-            for server in servers:
-                server.stop()
-    note("a member killed mid-run")
-    killed = killed_member_run(scratch, grid)
+    note(f"starting {max(grid.members)} engine servers")
+    servers = [Server(scratch) for _ in range(max(grid.members))]
+    try:
+        fleets = {}
+        for size in grid.members:  # the first `size` servers
+            note(f"{size} member(s): sync and throughput")
+            fleets[size] = fleet_figures([s.url for s in servers[:size]], scratch, grid)
+        note("a member killed mid-run")
+        killed = killed_member_run(servers, scratch, grid)
+    finally:
+        for server in servers:
+            server.stop(signal.SIGKILL)
     note("two nodes against one")
     nodes = {n: nodes_run(scratch, n, grid.node_steps) for n in (1, 2)}
     return {"fleets": fleets, "killed": killed, "nodes": nodes}

@@ -131,11 +131,11 @@ class FleetEngine:
                 await self._call(member, "POST", f"/weights/{version}/commit", Health,
                                  Commit(len(state)))  # fmt: skip
                 member.version = version
-                self.sync_bytes += sum(len(data) for data in packed)
+                sent.append(sum(len(data) for data in packed))
             except _Failed as exc:
                 self._drop(member, f"its sync to version {version} failed ({exc})")
 
-        self.sync_bytes = 0.0  # sent in this sync, to every member together
+        sent: list[int] = []  # bytes to each member that took this version
         deadline = time.monotonic() + self.fleet_timeout_s
         self._syncing = True  # no generation starts while the members change weights
         try:
@@ -152,6 +152,7 @@ class FleetEngine:
         finally:
             self._syncing = False
         self._version = version
+        self.sync_bytes = float(sum(sent))
 
     async def fingerprint(self) -> str:
         """The members' common fingerprint; members that differ fail the call."""
