@@ -12,6 +12,7 @@ each a separate process as it would be on another machine.
   exits 130 and the trainer goes on with the others.
 - No member left: the run fails in one line after ``rollout.fleet_timeout_s``; a
   member that does not answer at start fails the run at once, naming it.
+- A multi-turn episode's next turn goes back to the member that served its last one.
 - A server answers bad requests with a 4xx JSON error and serves on; a config whose
   trainer has no rollout engine is refused by ``corun engine serve`` (exit 2).
 """
@@ -223,3 +224,31 @@ def test_a_trainer_without_an_engine_is_refused(tmp_path: Path) -> None:
     assert done.stderr.strip().splitlines()[-1].startswith(
         "corun: error: `corun engine serve`: trainer 'sft' has no rollout engine"
     ), done.stderr
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize("anyio_backend", ["asyncio", "trio"])
+async def test_an_episodes_next_turn_goes_back_to_its_member(fleet: list[Server]) -> None:
+    """Two episodes start at once, one on each member; the second one's next turn (its
+    transcript extends its prompt) goes back to its member, though both are idle and
+    the least busy would be the first."""
+    import anyio
+
+    from corun.contract.engine import Sampling
+    from corun.engines.fleet import FleetEngine
+
+    with anyio.fail_after(120):
+        engine = await FleetEngine.connect(
+            [s.url for s in fleet], request_timeout_s=60, fleet_timeout_s=10, bucket_mb=64
+        )
+        sampling = Sampling(max_tokens=4)
+        first, second = [[5, 6, 7, 8]], [[9, 10, 11, 12]]
+        async with anyio.create_task_group() as group:
+            group.start_soon(engine.generate, first, sampling, 0)
+            group.start_soon(engine.generate, second, sampling, 1)
+        assert [m.served for m in engine.members] == [1, 1]
+        served_second = engine._follows(tuple(second[0]))
+        assert served_second is engine.members[1]  # the least busy when it started
+        turn = await engine.generate(second, sampling, 1)
+        await engine.generate([second[0] + turn[0].ids + [3]], sampling, 2)
+        assert served_second.served == 3

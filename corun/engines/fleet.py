@@ -3,7 +3,10 @@
 (corun/serve/engine_server.py; the wire form: corun/contract/fleet.py), as one
 :class:`corun.contract.engine.Engine`.
 
-- **Generation** goes to the live member with the fewest calls in flight. A member
+- **Generation** goes to the live member with the fewest calls in flight, except a
+  multi-turn episode's next turn, which goes back to the member that served its
+  previous one while that member serves (its transcript extends the one that call
+  sent: that member's prefix cache holds it). A member
   that fails a call (connection refused or reset, a 5xx, no answer within
   ``request_timeout_s``) is dropped, and the call is retried on another: a generation
   is all-or-nothing, so nothing of a failed one is kept or trained twice.
@@ -28,6 +31,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections import OrderedDict
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -52,6 +56,8 @@ from corun.contract.fleet import (
 
 log = logging.getLogger("corun.fleet")
 PROBE_S = 1.0  # between probes of dropped members while none serves
+AFFINITY_TOKENS = 256  # a call's first prompt's start that keys its member
+AFFINITY_KEYS = 4096  # starts remembered (the least recently used go first)
 
 
 class _Failed(Exception):
@@ -63,6 +69,7 @@ class Member:
     url: str
     live: bool = True
     busy: int = 0  # calls in flight
+    served: int = 0  # generations it answered
     version: int = -1  # the version it holds (-1: unknown)
 
 
@@ -78,6 +85,8 @@ class FleetEngine:
         self.headers = {"authorization": f"Bearer {token}"} if token else {}
         self._version = 0
         self._syncing = False
+        self._affinity: OrderedDict[tuple[int, ...], Member] = OrderedDict()
+        self._lengths: set[int] = set()  # of the starts remembered
         self.sync_bytes = 0.0  # sent at the last sync, to every member together
         self.counts = {"dropped": 0, "rejoined": 0, "retried": 0}
 
@@ -105,11 +114,16 @@ class FleetEngine:
         self, prompts: Sequence[Sequence[int]], sampling: Sampling, seed: int
     ) -> list[Generation]:
         body = GenerateRequest([list(p) for p in prompts], WireSampling.of(sampling), seed)
+        first = tuple(prompts[0][:AFFINITY_TOKENS]) if prompts else ()
         while True:
-            member = await self._least_busy()
+            member = self._follows(first)
+            if member is None or member not in self._live():
+                member = await self._least_busy()
+            self._remember(first, member)
             member.busy += 1
             try:
                 reply = await self._call(member, "POST", "/generate", GenerateReply, body)
+                member.served += 1
                 return [g.generation() for g in reply.generations]
             except _Failed as exc:
                 self._drop(member, f"generation failed ({exc}); retried on another")
@@ -208,6 +222,22 @@ class FleetEngine:
             await anyio.sleep(PROBE_S)
             if not self._syncing:
                 await self._probe_dropped()
+
+    def _follows(self, first: tuple[int, ...]) -> Member | None:
+        """The member that served the call this one continues: a multi-turn episode's
+        next turn extends the transcript its previous call sent (the first prompt of
+        a batch of episodes), so that member's prefix cache holds it."""
+        for length in sorted(self._lengths, reverse=True):
+            if length <= len(first) and (found := self._affinity.get(first[:length])):
+                return found
+        return None
+
+    def _remember(self, first: tuple[int, ...], member: Member) -> None:
+        self._affinity[first] = member
+        self._affinity.move_to_end(first)
+        self._lengths.add(len(first))
+        while len(self._affinity) > AFFINITY_KEYS:
+            self._affinity.popitem(last=False)
 
     def _check_deadline(self, deadline: float, what: str) -> None:
         if time.monotonic() > deadline:
