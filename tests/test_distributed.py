@@ -384,6 +384,31 @@ def test_ctrl_c_stops_every_rank_in_order(
 
 
 @pytest.mark.slow
+def test_a_stop_sent_to_every_process_at_once_is_one_stop(
+    start_corun: Callable[..., CorunRun], tmp_path: Path
+) -> None:
+    """As a batch system stops a job (Slurm's ``scancel --signal=INT``, its ``--signal``
+    before the time limit): SIGINT to the launcher, torchrun's agent and every rank at
+    once. Each rank counts the copies it gets (direct, and passed on by the agent) as
+    one stop: it saves, exits 130, and no traceback is printed."""
+    run = _start_two_ranks(start_corun, "asyncio")
+    pids = _run_processes(run)
+    for pid in [run.proc.pid, *pids]:
+        os.kill(pid, signal.SIGINT)
+    time.sleep(0.05)
+    for pid in pids:  # the copies the launcher and the agent pass on, a moment later
+        os.kill(pid, signal.SIGINT)
+    assert run.wait_exit() == 130, run.stderr()
+    assert "Traceback" not in run.stderr() and "Logging error" not in run.stderr(), run.stderr()
+    assert "skipping optional teardown steps" not in run.stderr()
+    events = run.events()
+    assert events[-1]["reason"] == "interrupted"
+    assert "teardown:save" in [e["event"] for e in events]
+    assert checkpoint.latest(run.run_dir) is not None
+    _assert_gone(pids)
+
+
+@pytest.mark.slow
 def test_a_killed_rank_fails_the_run(start_corun: Callable[..., CorunRun]) -> None:
     scratch_before = set(Path(tempfile.gettempdir()).glob("corun-rank*"))
     run = _start_two_ranks(start_corun, "asyncio", collective_timeout_s=30)

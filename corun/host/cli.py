@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import math
 import os
 import shutil
 import signal
@@ -74,6 +75,7 @@ EXIT_OK, EXIT_ERROR, EXIT_USAGE = 0, 1, 2
 BENCH_ENTRY_POINTS = "corun.bench"  # `suites`: the module behind `corun bench`
 BENCH_TEXT = "run the throughput suites; report.md and plots in a run directory"
 _SIGNAL_EXIT = {"SIGINT": 130, "SIGTERM": 143}
+REPEAT_S = 1.0  # a rank's signals this close together are one stop (see _watch_signals)
 
 
 class _Parser(argparse.ArgumentParser):
@@ -333,9 +335,17 @@ def _exit_code(outcome: Outcome) -> int:
 
 
 async def _watch_signals(control: RunControl, config: Config) -> None:
+    # A torchrun rank may get one stop several times at once: a batch system (Slurm's
+    # scancel --signal, its --signal before the time limit) signals every process of the
+    # job, and the launcher and torchrun's agent pass the same signal on. Within
+    # REPEAT_S of the last one counted, a signal counts as that one.
+    repeats_s = REPEAT_S if distributed.launched_size() else 0.0
     with anyio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
-        received = 0
+        received, counted = 0, -math.inf
         async for signum in signals:
+            if time.monotonic() - counted < repeats_s:
+                continue
+            counted = time.monotonic()
             received += 1
             name = signal.Signals(signum).name
             code = _SIGNAL_EXIT[name]

@@ -129,10 +129,14 @@ def main(argv: list[str] | None = None) -> int:
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 
     # Its own report of a failure repeats ours, with a binary path; ours is one line.
-    logging.getLogger("torch.distributed.elastic").setLevel(logging.CRITICAL)
+    # (Each of its modules' loggers has its level set on import: each one, then.)
+    for name in [*logging.root.manager.loggerDict, "torch.distributed.elastic"]:
+        if name.startswith("torch.distributed.elastic"):
+            logging.getLogger(name).setLevel(logging.CRITICAL)
     args = torchrun.parse_args(argv)  # type: ignore[no-untyped-call]
     if args.shutdown_timeout is not None:
         _bound_stop(args.shutdown_timeout)
+    _stop_once()
     try:
         torchrun.run(args)  # type: ignore[no-untyped-call]
     except SignalException as exc:  # the ranks got the signal and have exited
@@ -153,6 +157,25 @@ def main(argv: list[str] | None = None) -> int:
 
 
 _stopped: set[int] = set()  # pids of ranks the agent stopped after another's failure
+
+
+def _stop_once() -> None:
+    """Make the agent act on its first SIGINT/SIGTERM only. A batch system signals every
+    process of a job at once (Slurm's scancel --signal), so the agent gets the stop
+    from it and again from this launcher; a second one, raised inside its handling of
+    the first, broke its shutdown with a traceback. The launcher escalates (the ranks
+    directly, then SIGKILL) on its own."""
+    from torch.distributed.elastic.multiprocessing import api
+
+    handler = api._terminate_process_handler
+    seen: list[int] = []
+
+    def first_only(signum: int, frame: FrameType | None) -> None:
+        if not seen:
+            seen.append(signum)
+            handler(signum, frame)
+
+    api._terminate_process_handler = first_only
 
 
 def _bound_stop(grace_s: int) -> None:
