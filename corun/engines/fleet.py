@@ -11,7 +11,7 @@
   ``request_timeout_s``) is dropped, and the call is retried on another: a generation
   is all-or-nothing, so nothing of a failed one is kept or trained twice.
 - **Weights** go to every live member at each sync, streamed in buckets of
-  ``bucket_mb`` over HTTP (packed once, sent to the members concurrently); a member
+  ``bucket_mb`` over HTTP (each bucket packed once, sent to the members together); a member
   that fails its sync is dropped. After the sync every member's fingerprint (computed
   on its side) must be the same, and the trainer checks it against the trained
   weights (trainers/hf/sync.py): a member that did not load them fails the run.
@@ -93,7 +93,8 @@ class FleetEngine:
     @classmethod
     async def connect(cls, urls: Sequence[str], **settings: Any) -> FleetEngine:
         """The fleet, once every member answers ``/health`` (within the start deadline
-        the caller sets); they must serve the same version."""
+        the caller sets), each at the version it reports (the engine's start syncs
+        them all before the first generation)."""
         fleet = cls(urls, **settings)
         for member in fleet.members:
             try:
@@ -132,33 +133,15 @@ class FleetEngine:
                 member.busy -= 1
 
     async def update_weights(self, state: Mapping[str, Tensor], version: int) -> None:
-        """Every live member (and every dropped one that answers again) to ``version``;
-        with none left, wait for one up to ``fleet_timeout_s``."""
-        packed = await anyio.to_thread.run_sync(
-            lambda: [pack(b) for b in buckets(state, self.bucket_bytes)]
-        )
-
-        async def send(member: Member) -> None:
-            try:
-                for data in packed:
-                    await self._call(member, "POST", f"/weights/{version}/bucket", None, data)
-                await self._call(member, "POST", f"/weights/{version}/commit", Health,
-                                 Commit(len(state)))  # fmt: skip
-                member.version = version
-                sent.append(sum(len(data) for data in packed))
-            except _Failed as exc:
-                self._drop(member, f"its sync to version {version} failed ({exc})")
-
-        sent: list[int] = []  # bytes to each member that took this version
+        """Every live member (and every dropped one that answers again) to ``version``,
+        bucket by bucket (one packed bucket in memory at a time, sent to the members
+        together); with none left, wait for one up to ``fleet_timeout_s``."""
         deadline = time.monotonic() + self.fleet_timeout_s
         self._syncing = True  # no generation starts while the members change weights
         try:
             while True:
                 await self._probe_dropped()
-                async with anyio.create_task_group() as group:
-                    for member in self.members:
-                        if member.live:  # a rejoined one too, whatever version it holds
-                            group.start_soon(send, member)
+                sent = await self._send(state, version, [m for m in self.members if m.live])
                 if any(m.live and m.version == version for m in self.members):
                     break
                 self._check_deadline(deadline, f"weight sync to version {version}")
@@ -166,7 +149,36 @@ class FleetEngine:
         finally:
             self._syncing = False
         self._version = version
-        self.sync_bytes = float(sum(sent))
+        self.sync_bytes = float(sent)
+
+    async def _send(self, state: Mapping[str, Tensor], version: int, to: list[Member]) -> int:
+        """``state`` to the members ``to`` (a rejoined one too, whatever version it
+        holds) and its commit; a member that fails is dropped. The bytes sent to the
+        members that took it."""
+        size = 0
+
+        async def send(member: Member, data: bytes | Commit) -> None:
+            if not member.live:  # failed an earlier bucket of this sync
+                return
+            try:
+                if isinstance(data, Commit):
+                    await self._call(member, "POST", f"/weights/{version}/commit", Health, data)
+                    member.version = version
+                else:
+                    await self._call(member, "POST", f"/weights/{version}/bucket", None, data)
+            except _Failed as exc:
+                self._drop(member, f"its sync to version {version} failed ({exc})")
+
+        for bucket in buckets(state, self.bucket_bytes):
+            data = await anyio.to_thread.run_sync(pack, bucket)
+            size += len(data)
+            async with anyio.create_task_group() as group:
+                for member in to:
+                    group.start_soon(send, member, data)
+        async with anyio.create_task_group() as group:
+            for member in to:
+                group.start_soon(send, member, Commit(len(state)))
+        return size * sum(1 for m in to if m.live and m.version == version)
 
     async def fingerprint(self) -> str:
         """The members' common fingerprint; members that differ fail the call."""
