@@ -59,7 +59,8 @@ from corun.engines.vllm_server import VLLMServerEngine
 from corun.execution import procs
 from corun.execution.compute import Lane
 
-ENGINES: tuple[EngineKind, ...] = get_args(EngineKind)  # local, vllm, vllm-server
+# The engines on this machine; "remote" (a fleet of servers) is the fleet suite's.
+ENGINES: tuple[EngineKind, ...] = tuple(k for k in get_args(EngineKind) if k != "remote")
 BASELINE: EngineKind = "local"
 HF_TRAINER = {"kind": "hf_grpo", "model": "tiny-llama"}  # the built-in tiny Llama
 
