@@ -56,6 +56,7 @@ from torch import Tensor
 
 from corun.base.errors import ConfigError
 from corun.contract.engine import Adapter, EngineError, Finish, Generation, Sampling
+from corun.contract.fleet import pack
 from corun.engines.lora import require_lora
 from corun.engines.options import OPTIONS, VLLMConfig, engine_dtype
 from corun.engines.vllm_common import (
@@ -445,18 +446,8 @@ def _flags(options: Mapping[str, Any]) -> list[str]:
 
 
 def _save(state: dict[str, Tensor], path: Path) -> None:
-    from safetensors.torch import save_file
-
-    seen: set[int] = set()
-    tensors = {}
-    for name, tensor in state.items():
-        t = tensor.detach().to("cpu").contiguous()
-        if t.data_ptr() in seen:  # tied weights: safetensors refuses shared storage
-            t = t.clone()
-        seen.add(t.data_ptr())
-        tensors[name] = t
     partial = path.with_suffix(".partial")
-    save_file(tensors, partial)
+    partial.write_bytes(pack(state))  # the safetensors file, tied weights each their own
     os.replace(partial, path)  # the server never reads a half-written file
 
 
