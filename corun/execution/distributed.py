@@ -363,9 +363,16 @@ def all_reduce_sum(tensor: torch.Tensor, what: str) -> None:
         work = dist.all_reduce(tensor, op=dist.ReduceOp.SUM, async_op=True)
         assert work is not None
         deadline = started + _timeout_s[0]
+        uncancellable = getattr(_local, "uncancellable", False)
         while not work.is_completed():
-            if not getattr(_local, "uncancellable", False):
+            if not uncancellable:
                 cancel_point()  # a stop while waiting: nothing has been applied yet
+            elif stop_requested():
+                # A peer that saw the stop first abandoned the step before this
+                # collective and never posts it: wait out the grace, not the timeout.
+                deadline = min(deadline, time.monotonic() + _STOP_GRACE_S)
+                if time.monotonic() > deadline:
+                    raise PeerStopped(_message(what, "a peer stopped first"))
             if time.monotonic() > deadline:
                 raise CollectiveError(_message(what, f"no reply within {_timeout_s[0]:g} s"))
             time.sleep(_POLL_S)
