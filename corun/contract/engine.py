@@ -20,7 +20,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, Literal, Protocol, runtime_checkable
+from typing import Any, Literal, NamedTuple, Protocol, runtime_checkable
 
 from torch import Tensor
 
@@ -138,6 +138,29 @@ class SleepingEngine(Protocol):
 
     async def wake(self) -> None:
         """Take the memory back; the engine serves again."""
+        ...
+
+
+class TransferTarget(NamedTuple):
+    backend: str  # vLLM's weight-transfer backend: "nccl"
+    workers: int  # the engine's GPU workers (ranks 1.. of the trainer's NCCL group)
+    dtype: str  # the precision its weights are sent in: "bfloat16"
+
+
+@runtime_checkable
+class TransferEngine(Protocol):
+    """An engine that takes weights through vLLM's weight-transfer API (a fleet
+    member's vLLM on CUDA): the trainer drives the steps, the tensors go GPU to GPU."""
+
+    def transfer_target(self) -> TransferTarget | None:
+        """What the engine receives over NCCL; None: it was not started to."""
+        ...
+
+    async def transfer_step(self, step: str, body: dict[str, Any]) -> None:
+        """One of vLLM's weight-transfer calls (corun/contract/fleet.py's
+        ``TRANSFER_STEPS``) with its HTTP body; generation pauses from
+        ``start_weight_update`` to ``finish_weight_update``, whose ``weight_version``
+        becomes the engine's version."""
         ...
 
 

@@ -7,7 +7,10 @@ fleet of them: corun/engines/fleet.py). JSON for the calls, safetensors for weig
 - ``POST /weights/{version}/bucket`` a safetensors body (:func:`pack`) → staged;
 - ``POST /weights/{version}/commit`` :class:`Commit` → every staged tensor loaded as
   ``version`` (the engine's own ``update_weights``), or 409 when tensors are missing;
-- ``GET /fingerprint`` → :class:`Fingerprint`, computed by the engine from its copy.
+- ``GET /fingerprint`` → :class:`Fingerprint`, computed by the engine from its copy;
+- ``POST /weight_transfer/{step}`` (a member whose vLLM runs on CUDA, ``Health.transfer``
+  "nccl"): vLLM's weight-transfer calls (:data:`TRANSFER_STEPS`, the bodies of vLLM's
+  own HTTP routes), the weights going GPU to GPU over NCCL beside the HTTP calls.
 
 A sync streams the state dict in buckets of bounded size (one bucket in memory on
 either side at a time, besides the staged tensors), so a model of any size travels
@@ -68,6 +71,19 @@ class GenerateReply(msgspec.Struct, frozen=True):
 
 class Health(msgspec.Struct, frozen=True):
     version: int
+    # "nccl": the member also takes weights through vLLM's weight-transfer API from a
+    # trainer's GPU, into ``workers`` GPU workers, in ``dtype``; "": buckets only.
+    transfer: str = ""
+    workers: int = 1
+    dtype: str = ""
+
+
+# vLLM's weight-transfer calls in their order (init once per trainer; start, update,
+# finish per sync), as ``POST /weight_transfer/{step}``.
+TRANSFER_STEPS = (
+    "init_weight_transfer_engine", "start_weight_update", "update_weights",
+    "finish_weight_update", "shutdown_weight_transfer_engine",
+)  # fmt: skip
 
 
 class Commit(msgspec.Struct, frozen=True, forbid_unknown_fields=True):

@@ -11,7 +11,9 @@
   ``request_timeout_s``) is dropped, and the call is retried on another: a generation
   is all-or-nothing, so nothing of a failed one is kept or trained twice.
 - **Weights** go to every live member at each sync, streamed in buckets of
-  ``bucket_mb`` over HTTP (each bucket packed once, sent to the members together); a member
+  ``bucket_mb`` over HTTP (each bucket packed once, sent to the members together), or,
+  from a trainer on CUDA to a member whose vLLM runs on CUDA, GPU to GPU through vLLM's
+  weight-transfer API over NCCL (weight_transfer.py; one group per member); a member
   that fails its sync is dropped. After the sync every member's fingerprint (computed
   on its side) must be the same, and the trainer checks it against the trained
   weights (trainers/hf/sync.py): a member that did not load them fails the run.
@@ -29,17 +31,19 @@ counted in :attr:`FleetEngine.counts`.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
 from collections import OrderedDict
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import anyio
 import anyio.to_thread
 import httpx
 import msgspec
+import torch
 from torch import Tensor
 
 from corun.contract.engine import EngineError, Generation, Sampling
@@ -53,6 +57,8 @@ from corun.contract.fleet import (
     buckets,
     pack,
 )
+from corun.engines.vllm_common import one_line
+from corun.engines.weight_transfer import DeviceTransfer, FleetSyncClient, address_towards
 
 log = logging.getLogger("corun.fleet")
 PROBE_S = 1.0  # between probes of dropped members while none serves
@@ -71,14 +77,18 @@ class Member:
     busy: int = 0  # calls in flight
     served: int = 0  # generations it answered
     version: int = -1  # the version it holds (-1: unknown)
+    # Its last answer to /health: the version, and how it takes weights.
+    health: Health = field(default_factory=lambda: Health(-1))
+    link: DeviceTransfer | None = None  # its NCCL group with this trainer, once opened
 
 
 class FleetEngine:
     def __init__(
         self, urls: Sequence[str], *, request_timeout_s: float, fleet_timeout_s: float,
-        bucket_mb: int, token: str = "",
+        bucket_mb: int, token: str = "", device: torch.device | None = None,
     ) -> None:  # fmt: skip
         self.members = [Member(url.rstrip("/")) for url in urls]
+        self.device = device or torch.device("cpu")  # the trainer's
         self.request_timeout_s = request_timeout_s
         self.fleet_timeout_s = fleet_timeout_s
         self.bucket_bytes = bucket_mb << 20
@@ -98,7 +108,8 @@ class FleetEngine:
         fleet = cls(urls, **settings)
         for member in fleet.members:
             try:
-                member.version = (await fleet._call(member, "GET", "/health", Health)).version
+                member.health = await fleet._call(member, "GET", "/health", Health)
+                member.version = member.health.version
             except _Failed as exc:
                 raise EngineError(f"fleet member {member.url} does not answer: {exc}") from None
         return fleet
@@ -156,6 +167,8 @@ class FleetEngine:
         holds) and its commit; a member that fails is dropped. The bytes sent to the
         members that took it."""
         size = 0
+        linked = [m for m in to if self._over_nccl(m)]
+        to = [m for m in to if m not in linked]
 
         async def send(member: Member, data: bytes | Commit) -> None:
             if not member.live:  # failed an earlier bucket of this sync
@@ -169,7 +182,7 @@ class FleetEngine:
             except _Failed as exc:
                 self._drop(member, f"its sync to version {version} failed ({exc})")
 
-        for bucket in buckets(state, self.bucket_bytes):
+        for bucket in buckets(state, self.bucket_bytes) if to else ():
             data = await anyio.to_thread.run_sync(pack, bucket)
             size += len(data)
             async with anyio.create_task_group() as group:
@@ -178,23 +191,72 @@ class FleetEngine:
         async with anyio.create_task_group() as group:
             for member in to:
                 group.start_soon(send, member, Commit(len(state)))
-        return size * sum(1 for m in to if m.live and m.version == version)
+        sent = size * sum(1 for m in to if m.live and m.version == version)
+        for member in linked:
+            sent += await self._send_over_nccl(member, state, version)
+        return sent
+
+    def _over_nccl(self, member: Member) -> bool:
+        return member.health.transfer == "nccl" and self.device.type == "cuda"
+
+    async def _send_over_nccl(
+        self, member: Member, state: Mapping[str, Tensor], version: int
+    ) -> int:
+        """``state`` GPU to GPU into ``member`` (its NCCL group opened at its first
+        sync); the bytes sent, 0 when it failed and was dropped."""
+        try:
+            if member.link is None:
+                member.link = await anyio.to_thread.run_sync(self._open_link, member)
+            link = member.link
+            assert isinstance(link.client, FleetSyncClient)
+            link.client.version = version
+            await anyio.to_thread.run_sync(link.send, state)
+        except Exception as exc:  # HTTP or NCCL: what the member holds is unknown
+            self._drop(member, f"its sync to version {version} over NCCL failed "
+                               f"({one_line(exc)})")  # fmt: skip
+            await self._close_link(member)
+            return 0
+        member.version = version
+        return sum(t.numel() for t in state.values()) * link.dtype.itemsize
+
+    def _open_link(self, member: Member) -> DeviceTransfer:
+        client = FleetSyncClient(member.url, self.headers, self.request_timeout_s)
+        health = member.health
+        link = DeviceTransfer(
+            member.url, "nccl", health.workers, getattr(torch, health.dtype or "bfloat16"),
+            client=client, address=address_towards(member.url),
+        )  # fmt: skip
+        link.open()
+        return link
+
+    async def _close_link(self, member: Member) -> None:
+        link, member.link = member.link, None
+        if link is not None:
+            with contextlib.suppress(Exception):  # the member may be gone
+                await anyio.to_thread.run_sync(link.close)
 
     async def fingerprint(self) -> str:
-        """The members' common fingerprint; members that differ fail the call."""
+        """The common fingerprint of the members that hold the current version;
+        members that differ fail the call. With none answering (all gone since the
+        sync), wait for one up to ``fleet_timeout_s``: only a member that holds the
+        version counts (one back since then serves from the next sync on)."""
+        deadline = time.monotonic() + self.fleet_timeout_s
         found: dict[str, list[str]] = {}
-        for member in self._live():
-            try:
-                got = await self._call(member, "GET", "/fingerprint", Fingerprint)
-            except _Failed as exc:
-                self._drop(member, f"its fingerprint failed ({exc})")
-                continue
-            found.setdefault(got.fingerprint, []).append(member.url)
+        while not found:
+            for member in self._live():
+                try:
+                    got = await self._call(member, "GET", "/fingerprint", Fingerprint)
+                except _Failed as exc:
+                    self._drop(member, f"its fingerprint failed ({exc})")
+                    continue
+                found.setdefault(got.fingerprint, []).append(member.url)
+            if not found:
+                self._check_deadline(deadline, f"the fingerprint of version {self._version}")
+                await anyio.sleep(PROBE_S)
+                await self._probe_dropped()
         if len(found) > 1:
             seen = "; ".join(f"{', '.join(urls)}: {fp}" for fp, urls in found.items())
             raise EngineError(f"the fleet's members serve different weights ({seen})")
-        if not found:
-            raise EngineError("no fleet member answers for its fingerprint")
         return next(iter(found))
 
     def metrics(self) -> dict[str, float]:
@@ -213,8 +275,10 @@ class FleetEngine:
     async def health(self) -> bool:
         return bool(self._live())
 
-    async def shutdown(self) -> None:  # the fleet is the user's: nothing of it to stop
-        pass
+    async def shutdown(self) -> None:
+        """The fleet is the user's: only this trainer's NCCL groups with it end."""
+        for member in self.members:
+            await self._close_link(member)
 
     # -- internals -------------------------------------------------------------------
 
@@ -266,9 +330,10 @@ class FleetEngine:
             if member.live:
                 continue
             try:
-                await self._call(member, "GET", "/health", Health, timeout_s=2.0)
+                member.health = await self._call(member, "GET", "/health", Health, timeout_s=2.0)
             except _Failed:
                 continue
+            await self._close_link(member)  # a restarted member opens a new group
             member.live, member.version = True, -1
             self.counts["rejoined"] += 1
             log.warning("fleet: %s is back; it serves from the next sync on", member.url)

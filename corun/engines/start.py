@@ -182,9 +182,11 @@ async def _start(
         return await FleetEngine.connect(
             options.urls, request_timeout_s=options.request_timeout_s,
             fleet_timeout_s=ctx.config.rollout.fleet_timeout_s, bucket_mb=options.bucket_mb,
-            token=secret(options.token, f"{WHERE}.token"),
+            token=secret(options.token, f"{WHERE}.token"), device=ctx.device,
         )  # fmt: skip
     transfer = backend_for(options.devices, ctx.device) if kind == "vllm-server" else None
+    if kind == "vllm" and ctx.config.serve.fleet and ctx.device.type == "cuda":
+        transfer = "nccl"  # a fleet member takes weights from trainers' GPUs over NCCL
     own_gpus = bool(options.devices) and ctx.device.index not in options.devices
     settings = VLLMConfig(model=str(policy.source), weight_transfer=transfer,
                           own_gpus=own_gpus, **_fields(options))  # fmt: skip

@@ -80,9 +80,16 @@ import torch
 from torch import Tensor
 
 from corun.base.errors import ConfigError
-from corun.contract.engine import Adapter, EngineError, Finish, Generation, Sampling
+from corun.contract.engine import (
+    Adapter,
+    EngineError,
+    Finish,
+    Generation,
+    Sampling,
+    TransferTarget,
+)
 from corun.engines.lora import require_lora
-from corun.engines.options import OPTIONS, EngineOptions, VLLMConfig
+from corun.engines.options import OPTIONS, EngineOptions, VLLMConfig, engine_dtype
 from corun.engines.vllm_common import (
     AdapterVersions,
     DrainingEngine,
@@ -121,6 +128,7 @@ class VLLMEngine(DrainingEngine):
         self._requests: dict[str, tuple[_Batch, int]] = {}  # in vLLM (the lane's alone)
         self._adapters = AdapterVersions(config.max_loras)
         self._asleep: list[str] = []  # what vLLM's sleep released: "weights", "kv_cache"
+        self._transferring = False  # a trainer's weight transfer started, not finished
 
     @classmethod
     async def start(cls, config: VLLMConfig, lane: Lane | None = None) -> VLLMEngine:
@@ -236,6 +244,37 @@ class VLLMEngine(DrainingEngine):
             return await self._lane.run(self._fingerprint_blocking, directory)
         except RuntimeError as exc:  # vLLM no longer holds the newest adapter
             raise EngineError(f"vLLM weights fingerprint: {one_line(exc)}") from None
+
+    def transfer_target(self) -> TransferTarget | None:
+        """A fleet member's vLLM on CUDA receives over NCCL (engines/start.py sets it)."""
+        if self._config.weight_transfer != "nccl":
+            return None
+        dtype = str(engine_dtype(self._config)).removeprefix("torch.")
+        return TransferTarget("nccl", self._config.workers, dtype)
+
+    async def transfer_step(self, step: str, body: dict[str, Any]) -> None:
+        """One of vLLM's weight-transfer calls, driven by a trainer elsewhere
+        (corun/engines/weight_transfer.py): passed to vLLM's workers as vLLM's own
+        HTTP server does. Generation pauses from the start of an update to its finish;
+        a failed step leaves the engine unusable (its workers' state is unknown)."""
+        self._check()
+        if step == "start_weight_update" and not self._transferring:
+            await self._admission.pause()
+            self._transferring = True
+        kwargs = {k: body[k] for k in ("init_info", "update_info") if k in body}
+        try:
+            await self._lane.run(self._transfer_blocking, step, kwargs)
+        except Exception as exc:
+            self._end_transfer()
+            raise self._die(f"vLLM weight transfer ({step}) failed: {one_line(exc)}") from None
+        if step == "finish_weight_update":
+            self._version = int(body.get("weight_version", self._version))
+            self._end_transfer()
+
+    def _end_transfer(self) -> None:
+        if self._transferring:
+            self._transferring = False
+            self._admission.resume()
 
     async def sleep(self, keep_weights: bool) -> None:
         """Colocation (``colocate``): vLLM's sleep mode gives the GPU memory back while
@@ -422,6 +461,11 @@ class VLLMEngine(DrainingEngine):
         if not self._llm.reset_prefix_cache():
             raise RuntimeError("vLLM kept its prefix cache (requests still running)")
 
+    def _transfer_blocking(self, step: str, kwargs: dict[str, Any]) -> None:
+        self._llm.collective_rpc(step, kwargs=kwargs)
+        if step == "finish_weight_update" and not self._llm.reset_prefix_cache():
+            raise RuntimeError("vLLM kept its prefix cache (requests still running)")
+
     def _fingerprint_blocking(self, adapter_dir: str | None) -> str:
         from corun.engines.vllm_worker import serving_fingerprint
 
@@ -534,6 +578,8 @@ def _build(config: VLLMConfig) -> Any:
     }  # fmt: skip
     if config.max_model_len is not None:
         kwargs["max_model_len"] = config.max_model_len
+    if config.weight_transfer is not None:  # a fleet member on CUDA (transfer_step)
+        kwargs["weight_transfer_config"] = {"backend": config.weight_transfer}
     clash = sorted(kwargs.keys() & config.options.keys())
     if clash:
         own = clash[0] in EngineOptions.__struct_fields__

@@ -9,6 +9,10 @@ engine's own ``update_weights`` (which drains running generations first); a comm
 whose buckets are incomplete is refused (409) and nothing loads. A new version's first
 bucket drops what an unfinished earlier one staged (its sender died mid-sync). Every
 refusal is a 4xx with ``{"error": ...}``; the server goes on serving.
+
+A member whose vLLM runs on CUDA also takes weights GPU to GPU: the trainer drives
+vLLM's weight-transfer calls through ``/weight_transfer/{step}`` and the engine passes
+each to vLLM's workers (the tensors travel over NCCL, not HTTP).
 """
 
 from __future__ import annotations
@@ -24,8 +28,9 @@ from starlette.routing import Route
 from torch import Tensor
 
 from corun.base.config import ServeConfig
-from corun.contract.engine import Engine, EngineError
+from corun.contract.engine import Engine, EngineError, TransferEngine
 from corun.contract.fleet import (
+    TRANSFER_STEPS,
     Commit,
     Fingerprint,
     GenerateReply,
@@ -76,10 +81,15 @@ class EngineServer(HTTPService):
             route("/weights/{version:int}/bucket", self.bucket, "POST"),
             route("/weights/{version:int}/commit", self.commit, "POST"),
             route("/fingerprint", self.fingerprint, "GET"),
+            route("/weight_transfer/{step}", self.weight_transfer, "POST"),
         ])  # fmt: skip
 
     async def health(self, request: Request) -> Health:
-        return Health(self.engine.version)
+        engine = self.engine
+        target = engine.transfer_target() if isinstance(engine, TransferEngine) else None
+        if target is None:
+            return Health(engine.version)
+        return Health(engine.version, target.backend, target.workers, target.dtype)
 
     async def generate(self, request: Request) -> GenerateReply:
         asked = await _decode(request, GenerateRequest)
@@ -107,6 +117,18 @@ class EngineServer(HTTPService):
         staged, self.staged, self.staging = self.staged, {}, -1
         await self.engine.update_weights(staged, version)
         return Health(self.engine.version)
+
+    async def weight_transfer(self, request: Request) -> Health:
+        step = request.path_params["step"]
+        if step not in TRANSFER_STEPS:
+            raise _Refused(404, f"no weight-transfer step {step!r} (one of {TRANSFER_STEPS})")
+        engine = self.engine
+        if not isinstance(engine, TransferEngine) or engine.transfer_target() is None:
+            raise _Refused(409, "this member takes weights in buckets only (its engine "
+                                "is not vLLM on CUDA)")  # fmt: skip
+        body = await _decode(request, dict[str, Any]) if await request.body() else {}
+        await engine.transfer_step(step, body)
+        return await self.health(request)
 
     async def fingerprint(self, request: Request) -> Fingerprint:
         return Fingerprint(await self.engine.fingerprint())
