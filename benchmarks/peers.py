@@ -5,10 +5,9 @@ prompts x 8 samples per step in the same order, the numeric-match reward, 8 new 
 lr 3e-4 constant, clip 0.2, no KL, token-mean loss (TRL's "dapo"), float32, the same
 torch threads. Each run is a fresh process; the runtimes alternate within each repeat.
 
-Rows: corun ``hf_grpo`` on its transformers engine, as shipped (``OMP_WAIT_POLICY=
-PASSIVE``, set by corun) and spinning (``ACTIVE``); TRL's ``GRPOTrainer`` as installed
-(torch's OpenMP threads spin between parallel regions: faster at small ops on a quiet
-machine, stalled beside another busy process) and with ``OMP_WAIT_POLICY=PASSIVE``.
+Rows: corun ``hf_grpo`` on its transformers engine; TRL's ``GRPOTrainer`` as
+installed; TRL with ``OMP_WAIT_POLICY=PASSIVE`` (torch's OpenMP threads otherwise spin
+between parallel regions, and stall beside another process: corun sets passive itself).
 Figures: s/step and generation s/step (medians over the steps, then over the repeats),
 the rest of the step, generated tokens/s, peak RSS of the process, the held-out reward
 of each final model by one evaluation (:func:`held_out_reward`, here, on the exported
@@ -187,12 +186,9 @@ def measured(command: list[str], env: dict[str, str]) -> float:
     return usage.ru_maxrss / 1024
 
 
-def run_corun(
-    model: Path, steps: int, eval_every: int, out: Path, spinning: bool = False
-) -> dict[str, Any]:
+def run_corun(model: Path, steps: int, eval_every: int, out: Path) -> dict[str, Any]:
     """``corun train hf_grpo`` on the job; its figures (as :func:`run_trl`'s). With
-    ``eval_every`` 0: speed alone (no evaluation, no final model); ``spinning``: with
-    ``OMP_WAIT_POLICY=ACTIVE`` (corun's default is passive)."""
+    ``eval_every`` 0: speed alone (no evaluation, no final model)."""
     evals = [f"loop.eval_interval={eval_every}", f"trainer.eval_size={EVAL_SIZE}"]
     command = [
         sys.executable, "-m", "corun", "train", "hf_grpo", f"run.dir={out}",
@@ -201,7 +197,7 @@ def run_corun(
         f"loop.save_interval={steps}", "log.progress=off",
         *(evals if eval_every else ["loop.eval_interval=0", "loop.baseline_eval=false"]),
     ]  # fmt: skip
-    rss = measured(command, {**ENV, "OMP_WAIT_POLICY": "ACTIVE" if spinning else "PASSIVE"})
+    rss = measured(command, ENV)
     events = read_records(out / EVENTS_FILE)
     metrics = read_records(out / "metrics.jsonl")
     start = next(e["t"] for e in events if e["event"] in ("baseline_eval", "setup"))
@@ -258,13 +254,7 @@ def measures(
 
 # ----------------------------------------------------------------------------- corun bench
 
-# corun waits passively by default (corun/__init__.py); TRL spins as installed. Each
-# runtime both ways: on a quiet machine spinning is faster at small ops, beside another
-# busy process it stalls.
-RUNTIMES = (
-    "corun hf_grpo", "corun, OMP_WAIT_POLICY=ACTIVE", "TRL as installed",
-    "TRL, OMP_WAIT_POLICY=PASSIVE",
-)  # fmt: skip
+RUNTIMES = ("corun hf_grpo", "TRL as installed", "TRL, OMP_WAIT_POLICY=PASSIVE")
 
 
 def compare(
@@ -278,7 +268,7 @@ def compare(
             note(f"{name}: {model.name}, {steps} steps (repeat {repeat + 1} of {repeats})")
             out = scratch / f"{model.name}-{name.split(',')[0].replace(' ', '-')}-{repeat}"
             if name.startswith("corun"):
-                got = run_corun(model, steps, eval_every, out, spinning="ACTIVE" in name)
+                got = run_corun(model, steps, eval_every, out)
             else:
                 got = run_trl(model, steps, eval_every, out, passive="PASSIVE" in name)
             if eval_every:
@@ -319,7 +309,7 @@ def run_grid(grid: Grid, scratch: Path, note: Note) -> list[Table]:
 
 
 Results = dict[str, list[dict[str, Any]]]
-FAIR = RUNTIMES[3]  # TRL with passive waiting (as corun's default): every ratio's baseline
+FAIR = RUNTIMES[2]  # TRL with passive waiting: every ratio's baseline
 
 
 def _median(results: Results, name: str, key: str) -> float:

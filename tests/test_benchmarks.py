@@ -181,10 +181,7 @@ def test_peers_benchmark_quick(tmp_path: Path) -> None:
     )  # fmt: skip
     assert result.returncode == 0, result.stderr[-3000:]
     report = (out / "report.md").read_text()
-    from benchmarks.peers import RUNTIMES
-
-    assert len(RUNTIMES) == 4
-    for runtime in RUNTIMES:
+    for runtime in ("corun hf_grpo", "TRL as installed", "TRL, OMP_WAIT_POLICY=PASSIVE"):
         (row,) = [line for line in report.splitlines() if line.startswith(f"| {runtime} |")]
         cells = [cell.strip() for cell in row.strip("|").split("|")]
         assert all(float(cells[i].replace(",", "")) > 0 for i in (1, 2, 4, 5)), row
