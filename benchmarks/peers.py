@@ -90,20 +90,12 @@ MATCHED = [
 
 @dataclass(frozen=True)
 class Grid:
-    steps: int  # the tiny model's runs
+    steps: int
     repeats: int
     eval_every: int
-    big_steps: int  # the ~50M model's (speed alone); 0: not run
 
 
-GRIDS = {
-    "full": Grid(60, 3, 15, 12),
-    "quick": Grid(12, 1, 6, 4),
-    "tiny": Grid(3, 1, 3, 0),
-}
-# The ~50M-parameter Llama (hidden 768, 10 layers, 12 heads of 32; the tiny model's
-# tokenizer), randomly initialised: where compute, not overhead, dominates a step.
-BIG = {"hidden": 768, "layers": 10, "heads": 12}
+GRIDS = {"full": Grid(60, 3, 15), "quick": Grid(12, 1, 6), "tiny": Grid(3, 1, 3)}
 
 
 def trl_missing() -> str | None:
@@ -127,17 +119,6 @@ def warm_start(scratch: Path) -> Path:
         from trainers.hf.state import export
 
         export(str(run_dir), model)
-    return model
-
-
-def big_model(scratch: Path) -> Path:
-    """The ~50M model, built once under ``scratch``. Untrained, it never says EOS: every
-    completion is the full 8 tokens in both runtimes."""
-    model = scratch / "llama-50m"
-    if not (model / "config.json").is_file():
-        from trainers.hf.tiny import build
-
-        build(model, **BIG)
     return model
 
 
@@ -186,69 +167,63 @@ def measured(command: list[str], env: dict[str, str]) -> float:
     return usage.ru_maxrss / 1024
 
 
-def run_corun(model: Path, steps: int, eval_every: int, out: Path) -> dict[str, Any]:
-    """``corun train hf_grpo`` on the job; its figures (as :func:`run_trl`'s). With
-    ``eval_every`` 0: speed alone (no evaluation, no final model)."""
-    evals = [f"loop.eval_interval={eval_every}", f"trainer.eval_size={EVAL_SIZE}"]
+def run_corun(model: Path, grid: Grid, out: Path) -> dict[str, Any]:
+    """``corun train hf_grpo`` on the job; its figures (as :func:`run_trl`'s)."""
     command = [
         sys.executable, "-m", "corun", "train", "hf_grpo", f"run.dir={out}",
-        f"trainer.model=hf:{model}", 'trainer.init_from=""', f"run.steps={steps}",
-        "loop.lr_schedule=constant", f"loop.lane_threads={THREADS}",
-        f"loop.save_interval={steps}", "log.progress=off",
-        *(evals if eval_every else ["loop.eval_interval=0", "loop.baseline_eval=false"]),
+        f"trainer.model=hf:{model}", 'trainer.init_from=""', f"run.steps={grid.steps}",
+        "loop.lr_schedule=constant", f"loop.eval_interval={grid.eval_every}",
+        f"trainer.eval_size={EVAL_SIZE}", f"loop.lane_threads={THREADS}",
+        f"loop.save_interval={grid.steps}", "log.progress=off",
     ]  # fmt: skip
     rss = measured(command, ENV)
     events = read_records(out / EVENTS_FILE)
     metrics = read_records(out / "metrics.jsonl")
-    start = next(e["t"] for e in events if e["event"] in ("baseline_eval", "setup"))
+    start = next(e["t"] for e in events if e["event"] == "baseline_eval")
     eval_s = {m["step"]: m["perf/eval_time_s"] for m in metrics if "perf/eval_time_s" in m}
-    stepped = [e for e in events if e["event"] == "step"]
-    step_times = [b["t"] - a["t"] - eval_s.get(a["step"], 0.0) for a, b in pairwise(stepped)]
+    steps = [e for e in events if e["event"] == "step"]
+    step_times = [b["t"] - a["t"] - eval_s.get(a["step"], 0.0) for a, b in pairwise(steps)]
     train_s = {
         e["step"]: e["t"] - start - sum(s for k, s in eval_s.items() if 0 < k < e["step"])
-        for e in stepped
+        for e in steps
     }
     generate = [m["perf/generate_time_s"] for m in metrics if "perf/generate_time_s" in m]
     tokens = [m["rollout/response_len_mean"] for m in metrics if "rollout/response_len_mean" in m]
     curve = [(m["step"], train_s.get(m["step"], 0.0), m["eval/reward"])
              for m in metrics if "eval/reward" in m]  # fmt: skip
-    figures = measures(step_times, generate, tokens, rss, curve)
-    if eval_every:
-        from trainers.hf.state import export
+    from trainers.hf.state import export
 
-        figures["final"] = export(str(out), out / "final-model")
-    return figures
+    final = export(str(out), out / "final-model")
+    return figures(step_times, generate, tokens, rss, curve, final)
 
 
-def run_trl(model: Path, steps: int, eval_every: int, out: Path, passive: bool) -> dict[str, Any]:
+def run_trl(model: Path, grid: Grid, out: Path, passive: bool) -> dict[str, Any]:
     """TRL's GRPOTrainer on the job in a fresh ``python -m benchmarks.peers_trl``."""
     out.mkdir(parents=True, exist_ok=True)
     env = {k: v for k, v in ENV.items() if k != "OMP_WAIT_POLICY"}
     if passive:
         env["OMP_WAIT_POLICY"] = "PASSIVE"
     command = [sys.executable, "-m", "benchmarks.peers_trl", str(model), str(out),
-               "--steps", str(steps), "--eval-every", str(eval_every),
+               "--steps", str(grid.steps), "--eval-every", str(grid.eval_every),
                "--threads", str(THREADS)]  # fmt: skip
     rss = measured(command, env)
     got = json.loads((out / "figures.json").read_text())
-    figures = measures(got["step_s"], got["generate_s"], got["tokens"], rss,
-                       [tuple(p) for p in got["curve"]])  # fmt: skip
-    if eval_every:
-        figures["final"] = out / "final-model"
-    return figures
+    return figures(got["step_s"], got["generate_s"], got["tokens"], rss,
+                   [tuple(p) for p in got["curve"]], out / "final-model")  # fmt: skip
 
 
-def measures(
+def figures(
     step_s: list[float], generate_s: list[float], tokens: list[float], rss_mib: float,
-    curve: list[Any],
+    curve: list[Any], final: Path,
 ) -> dict[str, Any]:  # fmt: skip
     """One run's figures; the first step (warm-up: allocations, first calls) left out."""
     step = statistics.median(step_s[1:] or step_s)
     gen = statistics.median(generate_s[1:] or generate_s)
+    batch = JOB.batch
     return {
         "step_s": step, "generate_s": gen, "rest_s": step - gen,
-        "tokens_per_s": statistics.fmean(tokens) * JOB.batch / gen, "rss_mib": rss_mib,
-        "curve": curve,
+        "tokens_per_s": statistics.fmean(tokens) * batch / gen, "rss_mib": rss_mib,
+        "curve": curve, "final": final,
     }  # fmt: skip
 
 
@@ -257,25 +232,21 @@ def measures(
 RUNTIMES = ("corun hf_grpo", "TRL as installed", "TRL, OMP_WAIT_POLICY=PASSIVE")
 
 
-def compare(
-    model: Path, steps: int, eval_every: int, repeats: int, scratch: Path, note: Note,
-) -> dict[str, list[dict[str, Any]]]:  # fmt: skip
-    """Every runtime ``repeats`` times on ``model``, interleaved; with ``eval_every``,
-    each final model scored (and the start)."""
+def compare(grid: Grid, scratch: Path, note: Note) -> dict[str, list[dict[str, Any]]]:
+    """Every runtime ``grid.repeats`` times, interleaved; each final model scored."""
+    model = warm_start(scratch)
     results: dict[str, list[dict[str, Any]]] = {name: [] for name in RUNTIMES}
-    for repeat in range(repeats):
+    for repeat in range(grid.repeats):
         for name in RUNTIMES:
-            note(f"{name}: {model.name}, {steps} steps (repeat {repeat + 1} of {repeats})")
-            out = scratch / f"{model.name}-{name.split(',')[0].replace(' ', '-')}-{repeat}"
+            note(f"{name}: {grid.steps} steps (repeat {repeat + 1} of {grid.repeats})")
+            out = scratch / f"{name.split(',')[0].replace(' ', '-')}-{repeat}"
             if name.startswith("corun"):
-                got = run_corun(model, steps, eval_every, out)
+                got = run_corun(model, grid, out)
             else:
-                got = run_trl(model, steps, eval_every, out, passive="PASSIVE" in name)
-            if eval_every:
-                got["reward"], got["reward_se"] = held_out_reward(got["final"])
+                got = run_trl(model, grid, out, passive="PASSIVE" in name)
+            got["reward"], got["reward_se"] = held_out_reward(got["final"])
             results[name].append(got)
-    if eval_every:
-        results["start"] = [{"reward": held_out_reward(model)[0]}]
+    results["start"] = [{"reward": held_out_reward(model)[0]}]
     return results
 
 
@@ -296,75 +267,41 @@ def suite(grid_name: str, scratch: Path, note: Note) -> list[Table]:
         note(missing)
         return [Table("peers", "trl", "Against TRL: not run", ["runtime"], [], [], "",
                       [missing])]  # fmt: skip
-    return run_grid(GRIDS[grid_name], scratch, note)
+    grid = GRIDS[grid_name]
+    results = compare(grid, scratch, note)
+    return tables(grid, results)
 
 
-def run_grid(grid: Grid, scratch: Path, note: Note) -> list[Table]:
-    tiny = compare(warm_start(scratch), grid.steps, grid.eval_every, grid.repeats, scratch, note)
-    found = [learning_table(grid, tiny)]
-    if grid.big_steps:
-        big = compare(big_model(scratch), grid.big_steps, 0, grid.repeats, scratch, note)
-        found.append(speed_table(grid, big))
-    return found
+def tables(grid: Grid, results: dict[str, list[dict[str, Any]]]) -> list[Table]:
+    def med(name: str, key: str) -> float:
+        return float(statistics.median(r[key] for r in results[name]))
 
-
-Results = dict[str, list[dict[str, Any]]]
-FAIR = RUNTIMES[2]  # TRL with passive waiting: every ratio's baseline
-
-
-def _median(results: Results, name: str, key: str) -> float:
-    return float(statistics.median(r[key] for r in results[name]))
-
-
-def _speed_cells(results: Results, name: str) -> list[str]:
-    keys = (("step_s", 3), ("generate_s", 3), ("rest_s", 3), ("tokens_per_s", 0), ("rss_mib", 0))
-    return [name, *(fmt(_median(results, name, key), digits) for key, digits in keys)]
-
-
-def _ratios(results: Results) -> list[tuple[str, float]]:
-    fair = _median(results, FAIR, "step_s")
-    return [(name, fair / _median(results, name, "step_s")) for name in RUNTIMES]
-
-
-SPEED = ["runtime", "s/step", "generation s/step", "rest s/step", "tokens/s", "peak RSS MiB"]
-BASELINE = "TRL with passive waiting's steps per second; above 1: faster"
-MEDIANS = "Medians over the steps (the first left out), then over the repeats."
-
-
-def learning_table(grid: Grid, results: Results) -> Table:
-    """The tiny model from the warm start: speed, memory, and what was learnt."""
-    target = _median(results, FAIR, "reward")  # TRL's final reward (the fair set-up)
-    rows = []
+    # The target: TRL's final held-out reward (passive waiting, the fair set-up).
+    fair = RUNTIMES[2]
+    target = med(fair, "reward")
+    rows, ratios = [], []
     for name in RUNTIMES:
         reached = [time_to(r["curve"], target) for r in results[name]]
         to_target = statistics.median(t for t in reached if t is not None) if all(reached) else None
         rows.append([
-            *_speed_cells(results, name), f"{_median(results, name, 'reward'):.3f} ± "
-            f"{_median(results, name, 'reward_se'):.3f}",
-            "never" if to_target is None else fmt(to_target, 1),
+            name, fmt(med(name, "step_s"), 3), fmt(med(name, "generate_s"), 3),
+            fmt(med(name, "rest_s"), 3), fmt(med(name, "tokens_per_s"), 0),
+            fmt(med(name, "rss_mib"), 0), f"{med(name, 'reward'):.3f} ± "
+            f"{med(name, 'reward_se'):.3f}", "never" if to_target is None else fmt(to_target, 1),
         ])  # fmt: skip
+        ratios.append((name, med(fair, "step_s") / med(name, "step_s")))
     start = results["start"][0]["reward"]
-    return Table(
-        "peers", "trl", f"Against TRL on one GRPO job: the tiny Llama ({grid.steps} steps, "
+    return [Table(
+        "peers", "trl", f"Against TRL on one GRPO job ({grid.steps} steps, "
         f"{grid.repeats} interleaved repeats)",
-        [*SPEED, f"held-out reward ({start:.3f} before)", f"train s to {target:.3f}"],
-        rows, _ratios(results), BASELINE,
-        [f"{MEDIANS} Held-out reward: {EVAL_SIZE} greedy replies, one evaluation of every "
-         "final model. The target: TRL's (passive) final reward; training time excludes "
-         "evaluations.",
+        ["runtime", "s/step", "generation s/step", "rest s/step", "tokens/s", "peak RSS MiB",
+         f"held-out reward ({start:.3f} before)", f"train s to {target:.3f}"], rows, ratios,
+        "TRL with passive waiting's steps per second; above 1: faster",
+        ["Medians over the steps (the first left out), then over the repeats. Held-out "
+         f"reward: {EVAL_SIZE} greedy replies, one evaluation of every final model. The "
+         "target: TRL's (passive) final reward; training time excludes evaluations.",
          "\nMatched settings:\n\n" + _markdown(["setting", "corun", "TRL", "matched"], MATCHED)],
-    )  # fmt: skip
-
-
-def speed_table(grid: Grid, results: Results) -> Table:
-    """The ~50M model, untrained: speed and memory alone."""
-    return Table(
-        "peers", "trl-50m", f"Against TRL on one GRPO job: a ~50M-parameter Llama "
-        f"({grid.big_steps} steps, {grid.repeats} interleaved repeats)", SPEED,
-        [_speed_cells(results, name) for name in RUNTIMES], _ratios(results), BASELINE,
-        [f"{MEDIANS} Randomly initialised (hidden 768, 10 layers): no reward to learn, "
-         "every completion 8 tokens long; the settings as in the table above."],
-    )  # fmt: skip
+    )]  # fmt: skip
 
 
 # ----------------------------------------------------------------------------- the program
@@ -383,8 +320,8 @@ def main() -> int:
     grid = GRIDS["quick" if args.quick else "full"]
     with tempfile.TemporaryDirectory() as tmp:
         started = time.monotonic()
-        for table in run_grid(grid, Path(tmp), print):
-            print("\n".join(markdown_table(table, plot=False)))
+        (table,) = tables(grid, compare(grid, Path(tmp), print))
+    print("\n".join(markdown_table(table, plot=False)))
     print(f"({time.monotonic() - started:.0f} s)")
     return 0
 

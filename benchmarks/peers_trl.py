@@ -1,8 +1,8 @@
 """TRL's ``GRPOTrainer`` on the job of ``corun bench peers`` (benchmarks/peers.py), in a
 process of its own: ``python -m benchmarks.peers_trl MODEL OUT --steps N``. Writes
 ``OUT/figures.json`` (each step's seconds and generation seconds, completion lengths,
-the held-out reward over training seconds) and ``OUT/final-model``; with
-``--eval-every 0`` the figures of speed alone. Needs the ``peers`` extra (TRL)."""
+the held-out reward over training seconds) and ``OUT/final-model``. Needs the ``peers``
+extra (TRL)."""
 
 from __future__ import annotations
 
@@ -97,8 +97,6 @@ def main() -> int:
             now = time.perf_counter()
             recorded["step_s"].append(now - self.last)
             self.last = now
-            if not opts.eval_every:  # speed alone
-                return
             if state.global_step % opts.eval_every == 0 or state.global_step == opts.steps:
                 reward, _ = score(model, tokenizer, EVAL_SIZE)
                 train_s = now - self.start - self.eval_s
@@ -108,9 +106,8 @@ def main() -> int:
 
     trainer.add_callback(Clock())
     trainer.train()
-    if opts.eval_every:
-        trainer.save_model(str(opts.out / "final-model"))
-        tokenizer.save_pretrained(opts.out / "final-model")
+    trainer.save_model(str(opts.out / "final-model"))
+    tokenizer.save_pretrained(opts.out / "final-model")
     figures = {**recorded, "generate_s": generate_s}
     (opts.out / "figures.json").write_text(json.dumps(figures))
     return 0

@@ -47,7 +47,6 @@ SUITES = {  # name: the module (benchmarks/<module>.py) whose `suite` it is
     "precision": "precision",
     "fleet": "fleet",
     "peers": "peers",
-    "generation": "generation",
 }
 GRIDS = ("full", "quick", "tiny")
 EXIT_USAGE, EXIT_INTERRUPTED = 2, 130
