@@ -46,7 +46,6 @@ SUITES = {  # name: the module (benchmarks/<module>.py) whose `suite` it is
     "tinker": "tinker",
     "precision": "precision",
     "fleet": "fleet",
-    "peers": "peers",
 }
 GRIDS = ("full", "quick", "tiny")
 EXIT_USAGE, EXIT_INTERRUPTED = 2, 130
@@ -137,8 +136,7 @@ def _run_suites(names: list[str], grid: str, out: Path) -> tuple[Results, dict[s
                 load = watch.stop() | {"elapsed_s": time.monotonic() - suite_started}
                 results[name] = (tables, load)
                 for table in tables:
-                    if table.ratios:  # a table of figures alone has no plot
-                        plot(out, table)
+                    plot(out, table)
             progress.advance(overall)
     return results, failures
 
