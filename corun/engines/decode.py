@@ -124,8 +124,7 @@ def generate(
 def _keeps_logits(model: nn.Module) -> bool:
     """Whether ``model`` computes only its last positions' logits when asked
     (transformers' ``logits_to_keep``; a peft wrapper passes it to its base model)."""
-    unwrap = getattr(model, "get_base_model", None)
-    base = unwrap() if callable(unwrap) else model
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
     return "logits_to_keep" in inspect.signature(base.forward).parameters
 
 
