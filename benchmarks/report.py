@@ -8,7 +8,7 @@ import os
 import platform
 import textwrap
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -82,11 +82,15 @@ def machine() -> dict[str, Any]:
     }
 
 
+def markdown_grid(columns: Sequence[str], rows: Sequence[Sequence[str]]) -> list[str]:
+    """A header and rows as a markdown table's lines."""
+    lines = [f"| {' | '.join(columns)} |", f"|{'---|' * len(columns)}"]
+    return lines + [f"| {' | '.join(row)} |" for row in rows]
+
+
 def markdown_table(table: Table, plot: bool = True) -> list[str]:
     """The table as markdown, with what its ratios are against (and its plot's name)."""
-    lines = [f"### {table.title}", ""]
-    lines += [f"| {' | '.join(table.columns)} |", f"|{'---|' * len(table.columns)}"]
-    lines += [f"| {' | '.join(row)} |" for row in table.rows]
+    lines = [f"### {table.title}", "", *markdown_grid(table.columns, table.rows)]
     where = f" (plot `{table.suite}-{table.name}.png`)" if plot else ""
     lines += [""]
     if table.baseline:  # a table of figures alone has no ratio

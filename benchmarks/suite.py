@@ -46,6 +46,8 @@ SUITES = {  # name: the module (benchmarks/<module>.py) whose `suite` it is
     "tinker": "tinker",
     "precision": "precision",
     "fleet": "fleet",
+    "peers": "peers",
+    "generation": "generation",
 }
 GRIDS = ("full", "quick", "tiny")
 EXIT_USAGE, EXIT_INTERRUPTED = 2, 130
@@ -136,7 +138,8 @@ def _run_suites(names: list[str], grid: str, out: Path) -> tuple[Results, dict[s
                 load = watch.stop() | {"elapsed_s": time.monotonic() - suite_started}
                 results[name] = (tables, load)
                 for table in tables:
-                    plot(out, table)
+                    if table.ratios:  # a table of figures alone has no plot
+                        plot(out, table)
             progress.advance(overall)
     return results, failures
 

@@ -166,3 +166,41 @@ def test_tinker_benchmark_quick(tmp_path: Path) -> None:
         assert row["label"] in stdout
     assert figures["loss_max_rel_diff"] < 1e-3  # the two models trained alike
     assert _processes_with(f"CORUN_BENCHMARK_TAG={tag}".encode()) == []
+
+
+@pytest.mark.slow
+def test_peers_benchmark_quick(tmp_path: Path) -> None:
+    """``corun bench peers --quick``: corun and TRL (as installed, and with passive
+    waiting) on one GRPO job, each row measured, both final models scored."""
+    pytest.importorskip("trl", reason="the peers extra (TRL) is not installed")
+    out = tmp_path / "bench"
+    result = subprocess.run(
+        [sys.executable, "-m", "corun", "bench", "peers", "--quick", "--out", str(out)],
+        cwd=tmp_path, capture_output=True, text=True, timeout=900,
+        env={**os.environ, "WANDB_MODE": "disabled"},
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr[-3000:]
+    report = (out / "report.md").read_text()
+    from benchmarks.peers import RUNTIMES
+
+    assert len(RUNTIMES) == 4
+    for runtime in RUNTIMES:  # a row in each table: the tiny model's, the ~50M one's
+        tiny, big = [line for line in report.splitlines() if line.startswith(f"| {runtime} |")]
+        for row in (tiny, big):
+            cells = [cell.strip() for cell in row.strip("|").split("|")]
+            assert all(float(cells[i].replace(",", "")) > 0 for i in (1, 2, 4, 5)), row
+        assert "±" in tiny.split("|")[7], tiny
+    assert "| advantages |" in report and "no: TRL's epsilon" in report
+
+
+def test_peers_benchmark_says_when_trl_is_missing(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from benchmarks import peers
+
+    monkeypatch.setattr(peers, "find_spec", lambda name: None)
+    said: list[str] = []
+    (table,) = peers.suite("tiny", tmp_path, said.append)
+    assert said == ["TRL is not installed: pip install -c constraints-cpu.txt -e '.[peers]'"]
+    assert table.rows == [] and table.notes == said
+    assert list(tmp_path.iterdir()) == []  # nothing trained

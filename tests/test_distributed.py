@@ -69,6 +69,7 @@ from tests.support.dp_trainers import (
     TwoShardUnifiedPretrain,
 )
 from tests.support.loops import step_records
+from tests.support.matrix import params
 from tests.support.processes import REPO, wait_until
 from trainers import pg
 from trainers.agentic.sft import AgenticSFTTrainer
@@ -258,10 +259,16 @@ OTHER_KINDS: Kinds = {
 }
 
 
+# CI runs the RL kind of each family (with KINDS' sft and grpo): their runs hold the
+# family's model, data sharding and update; `-m long` adds the others.
+LONG_KINDS = ("ppo", "agentic_sft", "agentic_ppo", "hf_sft", "hf_ppo", "flow_pretrain",
+              "pe_warmup", "unified_pretrain")  # fmt: skip
+
+
 @pytest.mark.slow
 @pytest.mark.anyio
 @pytest.mark.parametrize("anyio_backend", ["asyncio"])  # the 2-rank run is a subprocess
-@pytest.mark.parametrize("kind", list(OTHER_KINDS))
+@pytest.mark.parametrize("kind", params(OTHER_KINDS, LONG_KINDS))
 async def test_every_other_kind_two_ranks_equal_one_process(
     tmp_path: Path, anyio_backend: str, kind: str
 ) -> None:

@@ -30,11 +30,25 @@ pytestmark = pytest.mark.anyio
 SFT = {"kind": "sft", "task": "sort", "d_model": 32, "n_heads": 2, "eval_size": 16}
 
 
-def _lanes() -> list[str]:
-    return [t.name for t in threading.enumerate() if t.name.startswith("corun-lane")]
+def _lane_threads() -> set[threading.Thread]:
+    return {t for t in threading.enumerate() if t.name.startswith("corun-lane")}
 
 
-async def test_host_keeps_serving_then_cancels(tmp_path: Path, anyio_backend: str) -> None:
+@pytest.fixture
+def earlier_lanes() -> set[threading.Thread]:
+    """Lane threads already running: an earlier test in this process may have left one
+    in a stuck call on purpose (tests/test_deadlines.py); they are not this test's."""
+    return _lane_threads()
+
+
+def _lanes(earlier: set[threading.Thread]) -> list[str]:
+    """This test's lane threads still running."""
+    return sorted(t.name for t in _lane_threads() - earlier)
+
+
+async def test_host_keeps_serving_then_cancels(
+    tmp_path: Path, anyio_backend: str, earlier_lanes: set[threading.Thread]
+) -> None:
     handlers = [signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)]
     config = make_config(tmp_path, SFT, run={"steps": 500}, loop={"eval_interval": 50})
     answered: list[int] = []
@@ -66,12 +80,12 @@ async def test_host_keeps_serving_then_cancels(tmp_path: Path, anyio_backend: st
     assert teardown == [s for s in TEARDOWN_ORDER if s in teardown] and events[-1] == "end"
     assert read_records(tmp_path / "events.jsonl")[-1]["reason"] == "cancelled"
     assert [signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)] == handlers
-    assert _lanes() == []
+    assert _lanes(earlier_lanes) == []
 
 
 @pytest.mark.parametrize("serving", [False, True])
 async def test_leaving_the_block_stops_the_run(
-    tmp_path: Path, anyio_backend: str, serving: bool
+    tmp_path: Path, anyio_backend: str, serving: bool, earlier_lanes: set[threading.Thread]
 ) -> None:
     # Serving too: the endpoint's stop once let a cancellation escape into the run's
     # task group on asyncio, and the save on the way out was lost.
@@ -84,7 +98,7 @@ async def test_leaving_the_block_stops_the_run(
             await session.wait_for_version(3)
         assert session.outcome is not None and session.outcome.reason == "interrupted"
     assert list_checkpoints(tmp_path)[-1][0] == session.outcome.step  # saved on the way
-    assert _lanes() == []
+    assert _lanes(earlier_lanes) == []
 
 
 # ----------------------------------------------------------------------------- agents
@@ -126,7 +140,9 @@ async def test_host_agents_train_the_tool_task_through_the_endpoint(
     assert endpoint[0]["url"] == session.endpoint_url
 
 
-async def test_32_agents_mid_request_at_a_host_cancel(tmp_path: Path, anyio_backend: str) -> None:
+async def test_32_agents_mid_request_at_a_host_cancel(
+    tmp_path: Path, anyio_backend: str, earlier_lanes: set[threading.Thread]
+) -> None:
     """Every request either completes or fails cleanly (an HTTP error, no hang), and
     after the teardown nothing listens on the port."""
     config = make_config(tmp_path, {**TINY, "episodes": "submitted"}, run={"steps": 1000},
@@ -162,4 +178,4 @@ async def test_32_agents_mid_request_at_a_host_cancel(tmp_path: Path, anyio_back
     with pytest.raises(httpx.ConnectError):
         async with httpx.AsyncClient(base_url=url, timeout=5) as http:
             await http.get("/health")
-    assert _lanes() == []
+    assert _lanes(earlier_lanes) == []

@@ -130,24 +130,29 @@ def evals(run_dir: Path) -> list[float]:
     return [r["eval/reward"] for r in read_records(run_dir / "metrics.jsonl") if "eval/reward" in r]
 
 
+FLEET_STEPS = 40
+
+
 def test_the_fleet_trains_as_the_local_engine(
     tmp_path: Path, warm: Path, fleet: list[Server]
 ) -> None:
+    """40 steps through two members equal, record for record, the local engine's run,
+    held-out evaluations included, each step's sync verified on every member. How much
+    that run learns is the local engine's figure (test_recipe_figures' `hf_grpo`: 100
+    steps move its held-out reward by about one standard error, too little to assert)."""
     urls = [s.url for s in fleet]
-    cadence = ["run.steps=100", "loop.eval_interval=100"]
+    cadence = [f"run.steps={FLEET_STEPS}", f"loop.eval_interval={FLEET_STEPS // 2}"]
     remote = train(tmp_path, "remote", warm, urls, *cadence)
     assert remote.returncode == 0, remote.stderr[-3000:]
     local = train(tmp_path, "local", warm, None, *cadence)
     assert local.returncode == 0, local.stderr[-3000:]
+    assert len(trained(tmp_path / "remote")) == FLEET_STEPS
     assert trained(tmp_path / "remote") == trained(tmp_path / "local")
+    assert len(evals(tmp_path / "remote")) == 3  # steps 0, 20 and 40
     assert evals(tmp_path / "remote") == evals(tmp_path / "local")
-    held_out = [r for r in read_records(tmp_path / "remote" / "metrics.jsonl")
-                if "eval/reward" in r]  # fmt: skip
-    first, last = held_out[0], held_out[-1]
-    assert last["eval/reward"] - first["eval/reward"] > last["eval/reward_se"], held_out
     syncs = [e for e in read_records(tmp_path / "remote" / "events.jsonl") if e["event"] == "sync"]
-    assert len(syncs) == 100 and all(e["weights"] for e in syncs)  # each verified
-    assert all(server.version() == 100 for server in fleet)
+    assert len(syncs) == FLEET_STEPS and all(e["weights"] for e in syncs)  # each verified
+    assert all(server.version() == FLEET_STEPS for server in fleet)
 
 
 def test_a_member_killed_then_restarted(tmp_path: Path, warm: Path, fleet: list[Server]) -> None:

@@ -28,6 +28,7 @@ import torch
 
 from corun.records import checkpoint
 from tests.support.corun_process import CorunRun
+from tests.support.matrix import params
 from tests.support.processes import REPO
 from tests.test_distributed import (
     KINDS,
@@ -50,6 +51,8 @@ ALL_KINDS = {**KINDS, **OTHER_KINDS}  # test_distributed's: sft and grpo are Tin
 # prompt enhancer and the unified model (whose image track is a FlowDiT entered directly).
 SHARDED_KINDS = ["hf_sft", "hf_grpo", "grpo", "unified", "sft", "agentic_ppo", "flow_grpo",
                  "pe", "pe_warmup", "flow_pretrain"]  # fmt: skip
+# CI shards one kind of each model (the RL ones); `-m long` adds the other kinds.
+LONG_SHARDED = ("hf_sft", "sft", "pe_warmup", "flow_pretrain")
 # hf_grpo's updates: windows of 2 batches, clipped to a global norm they exceed (~1),
 # so accumulation and the clip over every shard count. (Mini-batches slice each rank's
 # shard, so one process's same-sized mini-batch holds other rows: not comparable.)
@@ -85,7 +88,7 @@ async def _one(kind: str, run_dir: Path) -> None:
 
 @pytest.mark.anyio
 @pytest.mark.parametrize("anyio_backend", ["asyncio"])  # the 2-rank run is a subprocess
-@pytest.mark.parametrize("kind", SHARDED_KINDS)
+@pytest.mark.parametrize("kind", params(SHARDED_KINDS, LONG_SHARDED))
 async def test_sharded_ranks_equal_one_process(
     tmp_path: Path, anyio_backend: str, kind: str
 ) -> None:

@@ -1,5 +1,6 @@
-"""Sampling for the LM trainers: top-p log-probs, the TinyLM rollout engine's masks
-and behaviour log-probs, and GRPO's dynamic-sampling refill with scripted rounds.
+"""Sampling for the LM trainers: top-p log-probs, the transformers engine's draw by
+inverse CDF, the TinyLM rollout engine's masks and behaviour log-probs, and GRPO's
+dynamic-sampling refill with scripted rounds.
 
 Expected numbers are worked out by hand in the comments, not recomputed with the
 code under test.
@@ -14,6 +15,7 @@ import pytest
 import torch
 
 import corun
+from corun.engines.decode import sample_rows
 from tests.support.config import make_config
 from trainers.lm.engine import LocalEngine, Rollouts
 from trainers.lm.grpo import GRPOBatch, GRPOTrainer
@@ -21,6 +23,29 @@ from trainers.lm.model import top_p_log_probs
 from trainers.lm.policy import build_policy, response_logprobs
 from trainers.lm.policy_gradient import Scored
 from trainers.lm.tasks import EOS, PAD, TASKS, encode_prompts
+
+# ----------------------------------------------------------------------------- draws
+
+
+def test_inverse_cdf_draws_follow_the_weights() -> None:
+    """Row 0: weights 0.5 / 0.3 / 0.2 / 0 (the last never drawn); row 1 puts all on
+    token 3. 40,000 draws: each frequency within 4 binomial standard errors (0.01)."""
+    probs = torch.tensor([[0.5, 0.3, 0.2, 0.0], [0.0, 0.0, 0.0, 1.0]]).repeat(20_000, 1)
+    drawn = sample_rows(probs, torch.Generator().manual_seed(0)).view(20_000, 2)
+    counts = torch.bincount(drawn[:, 0], minlength=4).float() / 20_000
+    assert torch.allclose(counts, torch.tensor([0.5, 0.3, 0.2, 0.0]), atol=0.01), counts
+    assert counts[3] == 0 and bool((drawn[:, 1] == 3).all())
+    again = sample_rows(probs, torch.Generator().manual_seed(0)).view(20_000, 2)
+    assert torch.equal(drawn, again)  # one seed, one stream
+
+
+def test_inverse_cdf_takes_weights_that_do_not_sum_to_one() -> None:
+    """exp of log-probs sums to 1 only up to rounding: the draw scales by each row's
+    total, so the last token with weight is still reachable, never one past it."""
+    probs = torch.tensor([[0.0, 0.25, 0.25, 0.0]]).repeat(10_000, 1)  # sums to 0.5
+    drawn = sample_rows(probs, torch.Generator().manual_seed(1))
+    assert set(drawn.tolist()) == {1, 2}
+
 
 # ----------------------------------------------------------------------------- top-p
 

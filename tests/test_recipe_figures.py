@@ -25,9 +25,10 @@ def scratch(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return tmp_path_factory.mktemp("recipes")
 
 
-# A recipe too slow for CI is measured there by its shorter twin; `-m long` runs it whole.
+# A recipe too slow for CI is measured there by its shorter twin, and the variants of
+# LONG_ONLY not at all; `-m long` runs them.
 PARAMS = [
-    pytest.param(check, id=check.name, marks=[pytest.mark.long] if check.has_twin else [])
+    pytest.param(check, id=check.name, marks=[] if check.in_ci else [pytest.mark.long])
     for check in CHECKS
 ]
 

@@ -21,11 +21,12 @@ import httpx
 import numpy as np
 import pytest
 import tinker
+import torch
 from tinker import types
 from tinker.proto import tinker_public_pb2 as pb
 
 from tests.support.cli import assert_usage_error, base_toml, call_main
-from tests.support.tinker_server import API_KEY, TinkerProcess, tinker_server
+from tests.support.tinker_server import API_KEY, TinkerProcess, end_heartbeats, tinker_server
 
 pytestmark = pytest.mark.slow
 os.environ.setdefault("TINKER_TELEMETRY", "0")  # the SDK's telemetry would post to the server
@@ -119,6 +120,118 @@ def test_lora_client_learns_and_samples_with_the_trainers_logprobs(
     client.optim_step(types.AdamParams(learning_rate=1e-2)).result()
     after = client.forward(is_data, "importance_sampling").result()
     assert after.metrics["loss:sum"] < first.metrics["loss:sum"]
+
+
+def test_top_k_sampling_and_top_k_prompt_logprobs(
+    service: tinker.ServiceClient, server: TinkerProcess
+) -> None:
+    """``top_k`` 1 at temperature 1 draws the greedy reply, its log-probs still those of
+    the whole distribution; ``topk_prompt_logprobs`` gives each prompt position after the
+    first its k best tokens, best first, which hold the prompt's own token where it is
+    among them, with the log-prob ``include_prompt_logprobs`` gives it."""
+    sampler = service.create_sampling_client(base_model=server.model_dir).result()
+    ids = sampler.get_tokenizer()("user: 4+4=?\nassistant:")["input_ids"]
+    prompt = types.ModelInput.from_ints(ids)
+    greedy = sampler.sample(prompt, 1, types.SamplingParams(max_tokens=6, temperature=0.0)).result()
+    top1 = types.SamplingParams(max_tokens=6, temperature=1.0, top_k=1, seed=3)
+    drawn = sampler.sample(prompt, 2, top1, include_prompt_logprobs=True,
+                           topk_prompt_logprobs=3).result()  # fmt: skip
+    assert all(s.tokens == greedy.sequences[0].tokens for s in drawn.sequences)
+    assert np.allclose(drawn.sequences[0].logprobs or [], greedy.sequences[0].logprobs or [],
+                       atol=1e-5)  # fmt: skip
+    chosen, top = drawn.prompt_logprobs, drawn.topk_prompt_logprobs
+    assert chosen is not None and top is not None and top[0] is None
+    assert len(top) == len(ids)
+    for position in range(1, len(ids)):
+        best = top[position]
+        assert best is not None and len(best) == 3
+        values = [value for _, value in best]
+        assert values == sorted(values, reverse=True)
+        own = dict(best).get(ids[position])
+        assert own is None or math.isclose(own, chosen[position], abs_tol=1e-5)
+        assert chosen[position] <= values[0] + 1e-6
+    with pytest.raises(tinker.RequestFailedError, match="top_k = -2"):
+        sampler.sample(prompt, 1, types.SamplingParams(max_tokens=2, top_k=-2)).result()
+
+
+def test_models_past_the_bound_are_evicted_and_train_on_exactly(tmp_path: Path) -> None:
+    """``serve.tinker_max_models = 4`` and 16 models trained in turn, a step each per
+    round: each is saved and dropped before its next step and reloaded for it, and loses
+    bit for bit what a model of its seed trained alone loses (its adapters and optimizer
+    state kept); an evicted model still answers ``get_info``, and the stop saves all."""
+    with tinker_server(tmp_path, serve={"tinker_max_models": 4}) as server:
+        service = tinker.ServiceClient(base_url=server.url, api_key=API_KEY)
+
+        def train(client: tinker.TrainingClient) -> float:
+            data = [_chat(client.get_tokenizer(), f"{a}+2=?", str(a + 2)) for a in range(3)]
+            return _loss(client, data, 1e-2)
+
+        def create(seed: int) -> tinker.TrainingClient:
+            return service.create_lora_training_client(base_model=server.model_dir, rank=4,
+                                                       seed=seed).result()  # fmt: skip
+
+        alone = create(5)
+        expected = [train(alone) for _ in range(3)]
+        clients = [create(seed) for seed in range(16)]
+        losses: list[list[float]] = [[] for _ in clients]
+        for _ in range(3):
+            for client, lost in zip(clients, losses, strict=True):
+                lost.append(train(client))
+        assert losses[5] == expected
+        evicted = sorted(server.run_dir.glob("tinker/*/evicted"))
+        assert len(evicted) >= 12, evicted  # 4 held at most: the others saved
+        assert clients[0].get_info().lora_rank == 4  # evicted, still described
+        assert server.stop() == 130, server.stderr()[-2000:]
+        end_heartbeats(service)
+        # The stop saves every model, an evicted one reloaded for it.
+        assert len(list(server.run_dir.glob("tinker/*/weights/last"))) == 17
+
+
+def test_cispo_and_dro_at_the_sampling_weights(
+    service: tinker.ServiceClient, server: TinkerProcess
+) -> None:
+    """Where the sampler's log-probs are the model's own (the ratio 1), ``cispo``'s loss
+    is ``-Σ A·log π`` and so is ``dro``'s (its penalty 0); a negative ``beta`` and a band
+    that is not one are the client's errors."""
+    client = service.create_lora_training_client(base_model=server.model_dir, rank=2).result()
+    good = _chat(client.get_tokenizer(), "2+3=?", "5")
+    own = client.forward([good], "cross_entropy").result().loss_fn_outputs[0]["logprobs"].tolist()
+    advantages = [0.5 * w for w in good.loss_fn_inputs["weights"].tolist()]
+    datum = types.Datum(model_input=good.model_input, loss_fn_inputs={
+        "target_tokens": good.loss_fn_inputs["target_tokens"].tolist(), "logprobs": own,
+        "advantages": advantages})  # fmt: skip
+    expected = -sum(a * lp for a, lp in zip(advantages, own, strict=True))
+    for loss in ("cispo", "dro"):
+        got = client.forward([datum], loss).result().metrics["loss:sum"]
+        assert math.isclose(got, expected, rel_tol=1e-4, abs_tol=1e-5), (loss, got, expected)
+    with pytest.raises(tinker.RequestFailedError, match=r"beta -1\.0"):
+        client.forward_backward([datum], "dro", {"beta": -1.0}).result()
+    with pytest.raises(tinker.RequestFailedError, match=r"clip_high_threshold 0\.9"):
+        client.forward_backward([datum], "cispo", {"clip_high_threshold": 0.9}).result()
+
+
+def test_cispo_and_dro_gradients_are_the_documented_ones() -> None:
+    """Per token, d loss / d log π: ``cispo``'s is ``-clip(r, low, high)·A`` (the clipped
+    ratio carries no gradient, so a token outside the band still moves, unlike under
+    ``ppo``); ``dro``'s is ``-(A - β·(log π - log q))``."""
+    from trainers.hf.tinker import LOSS_TERMS
+
+    sampled = torch.tensor([-1.0, -2.0, -0.5, -3.0])
+    logprobs = torch.tensor([-1.0, -1.0, -1.5, -3.05], requires_grad=True)
+    advantages = torch.tensor([1.0, 2.0, 0.5, 3.0])
+    inputs = {"logprobs": sampled, "advantages": advantages}
+    ratio = torch.exp(logprobs.detach() - sampled)  # 1, e, 1/e, ~0.95
+    for loss, config, gradient in (
+        ("cispo", {}, -ratio.clamp(0.8, 1.2) * advantages),
+        ("dro", {"beta": 0.3}, -(advantages - 0.3 * (logprobs.detach() - sampled))),
+    ):
+        logprobs.grad = None
+        LOSS_TERMS[loss](logprobs, inputs, config).sum().backward()
+        assert logprobs.grad is not None
+        torch.testing.assert_close(logprobs.grad, gradient)
+    logprobs.grad = None  # ppo, by contrast: no gradient where the clip holds (r = e, A > 0)
+    LOSS_TERMS["ppo"](logprobs, inputs, {}).sum().backward()
+    assert logprobs.grad is not None and logprobs.grad[1] == 0 and logprobs.grad[0] != 0
 
 
 def test_save_state_then_load_state_resumes_exactly(
@@ -276,6 +389,7 @@ def test_ctrl_c_fails_inflight_futures_saves_open_models_and_exits_130(tmp_path:
         assert server.stop() == 130, server.stderr()[-2000:]
         worker.join(timeout=40)
         assert not worker.is_alive(), "a client call hung after the server stopped"
+        end_heartbeats(service)
         assert outcomes[-1] != "ok"
         assert not server.listening()
         last = server.run_dir / "tinker" / model_id / "weights" / "last"

@@ -405,7 +405,7 @@ def test_ctrl_c_in_vllm_work(
     held = "tests.support.vllm_helpers:HeldGRPOTrainer"
     trainer = hf_trainer(model_dir, kind=held, hold_in=phase)
     run = start_corun(trainer, **RUN_TABLES)
-    run.wait_phase(phase)
+    run.wait_phase(phase, timeout=240)  # vLLM's start comes first: ~20 s, minutes when busy
     left = children_of(run.proc.pid)
     run.send(signal.SIGINT)
     code = run.wait_exit(timeout=60)

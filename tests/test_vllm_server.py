@@ -211,7 +211,7 @@ def test_server_killed_mid_run_fails_the_run(
     fails with exit 1 and one line naming the server, and nothing is left."""
     run = start_corun(server_trainer(model_dir), run={"steps": 10_000}, **RUN_TABLES)
     pgid = find_server(run, servers_found).pgid
-    run.wait_event("step")
+    run.wait_event("step", timeout=START_S)  # the server's start-up comes first
     os.kill(pgid, signal.SIGKILL)
     code = run.wait_exit(timeout=60)
     stderr = run.stderr()

@@ -90,14 +90,44 @@ def test_the_wheel_trains_a_recipe_and_benches(venv: Path, tmp_path: Path) -> No
     assert (out / "host_lag-lag.png").read_bytes().startswith(PNG_MAGIC)
 
 
+# Each suite runs once in CI. These run from source (the test file named runs the module
+# with --quick or its test grid): from the wheel their modules are imported. The others
+# run here, from the wheel, at the test grid.
+RUN_FROM_SOURCE = {
+    "overhead": "test_benchmarks.py",
+    "async": "test_benchmarks.py",
+    "host_lag": "test_host_lag.py",  # and from the wheel, above
+    "endpoint_hf": "test_benchmarks.py",
+    "engines": "test_benchmarks.py",
+    "parallel": "test_benchmarks.py",
+    "tinker": "test_benchmarks.py",
+    "peers": "test_benchmarks.py",
+}
+
+
+def test_the_suites_said_to_run_from_source_do() -> None:
+    for name, test_file in RUN_FROM_SOURCE.items():
+        source = (ROOT / "tests" / test_file).read_text()
+        module = SUITES[name]
+        assert f'"benchmarks.{module}"' in source or f'_quick_benchmark("{module}"' in source or (
+            f'"bench", "{name}"' in source
+        ), f"{test_file} does not run the {name} suite"
+
+
 def test_the_wheel_runs_every_suite(venv: Path, tmp_path: Path) -> None:
-    """``corun bench`` from the wheel: every suite, each at the test grid (the quick
-    grids of every suite took 6 minutes of CI here; ``--quick`` itself is run above)."""
+    """``corun bench`` from the wheel: the suites no other test runs, each at the test
+    grid; the modules of those of :data:`RUN_FROM_SOURCE` imported from it (with the
+    peer job's, which ``corun bench peers`` starts as ``python -m``)."""
+    modules = [f"benchmarks.{SUITES[name]}" for name in RUN_FROM_SOURCE] + ["benchmarks.peers_job"]
+    imported = subprocess.run([str(venv / "python"), "-c", f"import {', '.join(modules)}"],
+                              cwd=tmp_path, capture_output=True, text=True)  # fmt: skip
+    assert imported.returncode == 0, imported.stderr[-3000:]
     out = tmp_path / "bench"
-    bench = corun(venv, tmp_path, "bench", "--quick", "--grid", "tiny", "--out", str(out),
+    names = ",".join(name for name in SUITES if name not in RUN_FROM_SOURCE)
+    bench = corun(venv, tmp_path, "bench", names, "--quick", "--grid", "tiny", "--out", str(out),
                   timeout=1800)  # fmt: skip
     assert bench.returncode == 0, bench.stderr[-3000:]
     report = (out / "report.md").read_text()
     assert "**failed**" not in report
     for suite in SUITES:
-        assert f"\n## {suite}\n" in report
+        assert (f"\n## {suite}\n" in report) is (suite not in RUN_FROM_SOURCE), suite

@@ -301,6 +301,10 @@ class ServeConfig(Section, frozen=True, forbid_unknown_fields=True, kw_only=True
     # finished results kept for clients to collect (the oldest dropped first).
     tinker_queue: PositiveInt = 256
     tinker_results: PositiveInt = 4096
+    # Tinker: models held in memory at once (0: no bound). Past it, the least recently
+    # used model without pending gradients is saved (adapters and optimizer state) and
+    # dropped, and reloaded from that save on its next request.
+    tinker_max_models: Annotated[int, msgspec.Meta(ge=0)] = 0
 
 
 class DataConfig(Section, frozen=True, forbid_unknown_fields=True, kw_only=True):

@@ -36,10 +36,17 @@ class Sampling:
     # Per sampled token, also this many most likely tokens (ids, log-probs) under the
     # distribution of the behaviour log-prob (temperature-scaled, before top-p).
     top_logprobs: int = 0
+    # Draw from the k most likely tokens only (0: all), before top-p (as vLLM orders
+    # them); the behaviour log-prob stays the untruncated one, as with top-p.
+    top_k: int = 0
 
     def __post_init__(self) -> None:
         if not 0 <= self.top_logprobs <= MAX_TOP_LOGPROBS:
             raise ValueError(f"top_logprobs {self.top_logprobs} is not in 0..{MAX_TOP_LOGPROBS}")
+        if self.top_k < 0:
+            raise ValueError(f"top_k {self.top_k} is negative")
+        if self.top_k and self.top_logprobs:  # vLLM reads the tokens it cut as -inf
+            raise ValueError("top_k and top_logprobs together are not supported")
 
 
 Finish = Literal["stop", "length"]

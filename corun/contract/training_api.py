@@ -15,19 +15,21 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Literal, Protocol
+from typing import Literal, NamedTuple, Protocol
 
 from torch import Tensor
 
 from corun.contract.engine import Generation, Sampling
 
-LossName = Literal["cross_entropy", "importance_sampling", "ppo"]
-LOSSES: tuple[LossName, ...] = ("cross_entropy", "importance_sampling", "ppo")
+LossName = Literal["cross_entropy", "importance_sampling", "ppo", "cispo", "dro"]
+LOSSES: tuple[LossName, ...] = ("cross_entropy", "importance_sampling", "ppo", "cispo", "dro")
 # What each loss reads from a datum's inputs, beside the model's input tokens.
 LOSS_INPUTS: dict[LossName, tuple[str, ...]] = {
     "cross_entropy": ("target_tokens", "weights"),
     "importance_sampling": ("target_tokens", "logprobs", "advantages"),
     "ppo": ("target_tokens", "logprobs", "advantages"),
+    "cispo": ("target_tokens", "logprobs", "advantages"),
+    "dro": ("target_tokens", "logprobs", "advantages"),
 }
 
 
@@ -84,6 +86,14 @@ class ModelInfo:
     max_length: int  # the longest sequence the model takes
 
 
+class PromptScores(NamedTuple):
+    """A prompt scored from its second token on: each token's log-prob after the ones
+    before it, and (asked for) each position's most likely (token, log-prob), best first."""
+
+    chosen: list[float]
+    top: list[list[tuple[int, float]]]  # [] when no top-k was asked for
+
+
 class TrainingModel(Protocol):
     """One client's model: base weights, frozen, and trained adapters with their AdamW
     state. Gradients add up over forward-backward calls until :meth:`optim_step`."""
@@ -106,6 +116,11 @@ class TrainingModel(Protocol):
 
     def optim_step(self, step: AdamStep) -> dict[str, float]:
         """Apply and clear the gradients; returns metrics (``grad_norm``)."""
+        ...
+
+    @property
+    def holds_gradients(self) -> bool:
+        """Whether ``forward_backward`` added gradients no ``optim_step`` applied yet."""
         ...
 
     def save(self, path: Path, *, optimizer: bool) -> None:
@@ -145,10 +160,13 @@ class TrainingBackend(Protocol):
         tokens that complete it are kept)."""
         ...
 
-    def prompt_logprobs(self, weights: Path | None, prompt: Sequence[int]) -> list[float]:
+    def prompt_logprobs(
+        self, weights: Path | None, prompt: Sequence[int], top_k: int = 0
+    ) -> PromptScores:
         """The log-prob of each prompt token after the ones before it (from the second
-        token on), under the base model or the adapters saved at ``weights``; blocking
-        (the server runs it on its lane)."""
+        token on), and with ``top_k`` each of those positions' most likely tokens, under
+        the base model or the adapters saved at ``weights``; blocking (the server runs
+        it on its lane)."""
         ...
 
     async def close(self) -> None:

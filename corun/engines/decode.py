@@ -16,6 +16,7 @@ otherwise).
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Callable, Sequence
 from typing import Literal, Protocol
 
@@ -49,6 +50,14 @@ def left_pad(
     real = [[False] * (width - len(row)) + [True] * len(row) for row in rows]
     ids = torch.tensor(padded, dtype=torch.long, device=device)
     return ids, torch.tensor(real, dtype=torch.bool, device=device)
+
+
+def top_k_logits(logits: Tensor, k: int) -> Tensor:
+    """``logits`` with all but each row's ``k`` largest at -inf."""
+    if k >= logits.shape[-1]:
+        return logits
+    kth = logits.topk(k, dim=-1).values[..., -1:]
+    return logits.masked_fill(logits < kth, float("-inf"))
 
 
 def top_p_log_probs(logits: Tensor, top_p: float) -> Tensor:
@@ -87,6 +96,7 @@ def generate(
     versions: list[int] = []
     cache = None
     step_ids = ids  # what the next forward reads: the whole prefix, or the last token
+    keep = {"logits_to_keep": 1} if _keeps_logits(model) else {}  # not the prefix's
     for step in range(sampling.max_tokens):
         if step:
             cancel_point()
@@ -98,7 +108,7 @@ def generate(
         out = model(
             input_ids=step_ids, attention_mask=attention,
             position_ids=positions(attention)[:, -step_ids.shape[1] :],
-            past_key_values=cache, use_cache=True,
+            past_key_values=cache, use_cache=True, **keep,
         )  # fmt: skip
         cache = out.past_key_values
         logits = out.logits[:, -1].float()
@@ -119,6 +129,14 @@ def generate(
     return _generations(tokens, logprobs, versions, set(stop_ids), tops)
 
 
+def _keeps_logits(model: nn.Module) -> bool:
+    """Whether ``model`` computes only its last positions' logits when asked
+    (transformers' ``logits_to_keep``; a peft wrapper passes it to its base model)."""
+    unwrap = getattr(model, "get_base_model", None)
+    base = unwrap() if callable(unwrap) else model
+    return "logits_to_keep" in inspect.signature(base.forward).parameters
+
+
 def _draw(
     logits: Tensor, sampling: Sampling, generator: torch.Generator | None
 ) -> tuple[Tensor, Tensor, Tensor]:
@@ -129,9 +147,26 @@ def _draw(
     else:
         scaled = logits / sampling.temperature
         log_dist = torch.log_softmax(scaled, dim=-1)
-        nucleus = top_p_log_probs(scaled, sampling.top_p)
-        token = torch.multinomial(nucleus.exp(), 1, generator=generator).squeeze(1)
+        kept = scaled if not sampling.top_k else top_k_logits(scaled, sampling.top_k)
+        if sampling.top_p < 1.0:
+            nucleus = top_p_log_probs(kept, sampling.top_p)
+        else:
+            nucleus = log_dist if kept is scaled else torch.log_softmax(kept, dim=-1)
+        token = sample_rows(nucleus.exp(), generator)
     return token, log_dist.gather(1, token[:, None]).squeeze(1), log_dist
+
+
+def sample_rows(probs: Tensor, generator: torch.Generator | None) -> Tensor:
+    """One token per row of ``probs`` (each row's weights, summing to about 1), by its
+    inverse CDF: the first token whose cumulative weight passes a uniform draw. Each
+    token has its weight's chance, and one of weight 0 is never drawn (its cumulative
+    weight equals the one before it). ``torch.multinomial`` draws the same law ~15x
+    slower on a CPU (1 ms for 128 rows of 400 tokens: a sixth of a step's decoding on
+    the built-in tiny model)."""
+    cumulative = probs.cumsum(dim=-1)
+    drawn = torch.rand(probs.shape[0], 1, generator=generator, device=probs.device)
+    token = torch.searchsorted(cumulative, drawn * cumulative[:, -1:], right=True)
+    return token.squeeze(1).clamp_(max=probs.shape[-1] - 1)
 
 
 def _generations(

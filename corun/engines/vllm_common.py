@@ -76,7 +76,7 @@ def sampling_fields(sampling: Sampling, seed: int, index: int) -> dict[str, Any]
         # trainers recompute for greedy decoding (trainers/lm/model.py).
         "temperature": 1.0 if greedy else sampling.temperature,
         "top_p": 1.0 if greedy else sampling.top_p,
-        "top_k": 1 if greedy else -1,
+        "top_k": 1 if greedy else sampling.top_k or -1,
         "seed": request_seed(seed, index),
         "stop_token_ids": list(sampling.stop_ids),
         "ignore_eos": True,  # only stop_ids end a sequence, as corun's Sampling says

@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
 from corun.base.errors import CheckpointError
@@ -59,10 +60,13 @@ def is_marker(node: Any) -> bool:
 
 def save(tensors: dict[str, DTensor], directory: Path) -> None:
     """Every rank writes its shards of ``tensors`` (a collective on the checkpoint
-    group, which no training collective shares); returns on rank 0 once all have."""
+    group, which no training collective shares); returns on rank 0 once all have.
+    Rank 0 makes ``directory``'s parent afresh before the call: no rank may start
+    before it has (DCP's planning makes ``directory`` on every rank)."""
     from torch.distributed.checkpoint.state_dict_saver import save as dcp_save
 
     with distributed.collective_failures("writing a checkpoint's shards"):
+        dist.barrier(group=distributed.checkpoint_group())
         dcp_save(tensors, checkpoint_id=directory, process_group=distributed.checkpoint_group())
 
 

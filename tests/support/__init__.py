@@ -14,6 +14,7 @@ implementation with a neighbour):
   injection, data-parallel global batches, dying Ray workers);
 - loops: the hand-written reference loop the parity tests compare against;
 - fuzz_support: the fuzz tests' hypothesis profile, counts and guards;
+- matrix: a test matrix CI runs in part (the rest marked ``long``);
 - storm, storm_checks, storm_procs: the interrupt storm
   (``python -m tests.support.storm --runs 200``);
 - vllm_helpers, vllm_fixtures: the vLLM tests' shared checks and trainer, and their

@@ -64,12 +64,12 @@ class CorunRun:
     def exited(self) -> bool:
         return self.proc.poll() is not None
 
-    def wait_phase(self, phase: str) -> None:
+    def wait_phase(self, phase: str, timeout: float = WAIT_S) -> None:
         marker = self.run_dir / f"phase-{phase}"
-        self.wait_until(f"phase marker {marker.name}", marker.exists)
+        self.wait_until(f"phase marker {marker.name}", marker.exists, timeout)
 
-    def wait_event(self, event: str) -> None:
-        self.wait_until(f"event {event!r}", lambda: event in self.names())
+    def wait_event(self, event: str, timeout: float = WAIT_S) -> None:
+        self.wait_until(f"event {event!r}", lambda: event in self.names(), timeout)
 
     def wait_stderr(self, text: str) -> None:
         self.wait_until(f"{text!r} on stderr", lambda: text in self.stderr())

@@ -46,13 +46,16 @@ class TinkerProcess:
 
 
 @contextmanager
-def tinker_server(tmp: Path, **trainer: object) -> Iterator[TinkerProcess]:
+def tinker_server(
+    tmp: Path, serve: dict[str, object] | None = None, **trainer: object
+) -> Iterator[TinkerProcess]:
     """Serve the Tinker API for the block (``trainer``: the [trainer] table's keys, an
-    hf_sft's by default); killed if it outlives it."""
+    hf_sft's by default; ``serve``: [serve]'s besides ``tinker``); killed if it
+    outlives it."""
     model_dir = str(built_in().resolve())
     config = {
         "run": {"name": "tinker", "dir": str(tmp / "run"), "seed": 0},
-        "serve": {"tinker": True},
+        "serve": {"tinker": True, **(serve or {})},
         "trainer": {"kind": "hf_sft", "model": f"hf:{model_dir}", "eval_size": 1, **trainer},
     }
     (tmp / "tinker.toml").write_text(tomli_w.dumps(config))
@@ -72,3 +75,12 @@ def tinker_server(tmp: Path, **trainer: object) -> Iterator[TinkerProcess]:
         if proc.poll() is None:
             proc.kill()
             proc.wait()
+
+
+def end_heartbeats(service: object) -> None:
+    """End a ``tinker.ServiceClient``'s background loops here, without the server (after
+    it stopped, its session's heartbeat would print a failure every 10 s for the rest of
+    the process): the SDK's own local close of its session holder."""
+    holder = getattr(service, "_session_holder", None)
+    if holder is not None:
+        holder.close()

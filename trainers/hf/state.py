@@ -36,19 +36,22 @@ if TYPE_CHECKING:
 
 
 def hf_state(
-    policy: HFPolicy, optimizer: torch.optim.Optimizer, modules: Mapping[str, nn.Module] = {},
-    **extra: Any,
+    policy: HFPolicy, optimizer: torch.optim.Optimizer | None,
+    modules: Mapping[str, nn.Module] = {}, **extra: Any,
 ) -> dict[str, Any]:  # fmt: skip
     """A trainer's resumable state around an HF policy and the ``modules`` trained beside
     it (live tensors: the runtime snapshots them). The weights are the trained ones:
     the adapters only under LoRA. Optimizer state is keyed by parameter name, and,
-    like the weights of a sharded policy, holds each rank's shards."""
+    like the weights of a sharded policy, holds each rank's shards; ``optimizer`` None:
+    an empty one, which :func:`load_hf_state` restores as a fresh optimizer."""
     from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
 
     weights = adapter_state(policy) if is_lora(policy) else policy.weights()
+    empty: dict[str, Any] = {"state": {}, "param_groups": []}
     return {
         "model": weights,
-        "optimizer": get_optimizer_state_dict(_trained(policy, modules), optimizer),
+        "optimizer": empty if optimizer is None
+        else get_optimizer_state_dict(_trained(policy, modules), optimizer),
         "model_config": policy.config_json(),
         "model_source": str(policy.source),
         # Under LoRA: its settings (JSON), and the checkpoint its base weights came from
@@ -80,6 +83,12 @@ def load_hf_state(
     else:
         policy.model.load_state_dict(state["model"])
     saved_optimizer = state["optimizer"]
+    if not saved_optimizer.get("state"):
+        # Saved without state (hf_state's None): a fresh optimizer. torch's
+        # set_optimizer_state_dict would first make a state by a step on zero
+        # gradients, which counts: Adam's bias correction would start one step on.
+        optimizer.state.clear()
+        return
     if any(isinstance(key, int) for key in saved_optimizer.get("state", {})):
         optimizer.load_state_dict(saved_optimizer)  # format 3: keyed by position
     else:

@@ -107,6 +107,8 @@ class WordProblems:
 
 
 def eval_problems(n: int) -> list[Example]:
+    """The first ``n`` held-out word problems (never a training prompt), the same in
+    every process."""
     rng = random.Random(stable_seed("word-problems-eval"))
     return [_draw(rng, True) for _ in range(n)]
 

@@ -10,11 +10,16 @@ The losses are the API's, summed over tokens and data (the client normalises):
 - ``cross_entropy``: ``-Σ w_t · log π(y_t)``;
 - ``importance_sampling``: ``-Σ A_t · π(y_t) / q(y_t)`` (``q``: the sampler's log-probs);
 - ``ppo``: ``-Σ min(r_t A_t, clip(r_t, low, high) A_t)``, ``r_t = π(y_t) / q(y_t)``,
-  with ``loss_fn_config`` ``clip_low_threshold`` (0.8) and ``clip_high_threshold`` (1.2).
+  with ``loss_fn_config`` ``clip_low_threshold`` (0.8) and ``clip_high_threshold`` (1.2);
+- ``cispo``: ``-Σ sg(clip(r_t, low, high)) · A_t · log π(y_t)`` (the clipped ratio a
+  weight without gradient; the same ``loss_fn_config``);
+- ``dro``: ``-Σ (A_t · log π(y_t) - β/2 · (log π(y_t) - log q(y_t))²)``, with
+  ``loss_fn_config`` ``beta`` (:data:`DRO_BETA` unless given).
 
 LoRA alpha is :data:`LORA_ALPHA` whatever the rank (the API has no alpha); the adapters
 cover the attention projections, the MLP and the output head as the client asks.
-Each model holds its own copy of the base weights (not shared between models yet).
+Every model shares the base weights (:func:`sharing_weights`): a model adds its adapters
+and their optimizer state, not a copy of the base.
 """
 
 from __future__ import annotations
@@ -43,6 +48,7 @@ from corun.contract.training_api import (
     LoraShape,
     LossName,
     ModelInfo,
+    PromptScores,
     RequestError,
 )
 from corun.engines.options import EngineOptions
@@ -68,6 +74,7 @@ UNEMBED = ("lm_head",)
 KIND = "tinker-lora"  # the trainer kind a saved state records
 MICRO_BATCH = 16  # data per forward pass: gradients add up, so this bounds memory only
 MAX_RANK = 128
+DRO_BETA = 0.05  # the value Tinker's documentation shows for `beta`
 
 
 def target_modules(policy: HFPolicy, shape: LoraShape) -> list[str]:
@@ -87,13 +94,22 @@ def target_modules(policy: HFPolicy, shape: LoraShape) -> list[str]:
     return found
 
 
+def sharing_weights(base: HFPolicy) -> HFPolicy:
+    """A copy of ``base`` with modules of its own and ``base``'s weight tensors
+    themselves: a model's adapters go into the copy's modules, and the base weights are
+    held once, however many models there are. Nothing writes to them: LoRA freezes them
+    (add_lora), and a model's saved state holds its adapters alone."""
+    shared: dict[int, Any] = {id(t): t for t in (*base.parameters(), *base.buffers())}
+    return copy.deepcopy(base, memo=shared)
+
+
 class HFTrainingModel:
     """One client's model (:class:`corun.contract.training_api.TrainingModel`)."""
 
     def __init__(self, base: HFPolicy, info: ModelInfo, shape: LoraShape, seed: int) -> None:
         if not 1 <= shape.rank <= MAX_RANK:
             raise RequestError(f"lora_config.rank = {shape.rank}: expected 1..{MAX_RANK}")
-        self.policy = copy.deepcopy(base)  # on the base's device (the run's)
+        self.policy = sharing_weights(base)  # on the base's device (the run's)
         self.device = next(base.parameters()).device
         settings = LoraSettings(
             rank=shape.rank, alpha=LORA_ALPHA, target_modules=target_modules(base, shape)
@@ -111,6 +127,10 @@ class HFTrainingModel:
     def steps(self) -> int:
         return self._steps
 
+    @property
+    def holds_gradients(self) -> bool:
+        return any(p.grad is not None for p in trainable_parameters(self.policy))
+
     # ---- training
 
     def forward_backward(
@@ -118,8 +138,7 @@ class HFTrainingModel:
         backward: bool,
     ) -> ForwardResult:  # fmt: skip
         check_data(data, loss, self._info.max_length, self.vocab_size)
-        if loss == "ppo":  # before any gradient is added
-            clip_band(loss_config)
+        check_loss_config(loss, loss_config)  # before any gradient is added
         terms = LOSS_TERMS[loss]
         self.policy.train(backward)
         outputs: list[dict[str, Tensor]] = []
@@ -179,9 +198,11 @@ class HFTrainingModel:
     # ---- states
 
     def save(self, path: Path, *, optimizer: bool) -> None:
-        state = hf_state(self.policy, self.optimizer, tinker_steps=self._steps)
-        if not optimizer:
-            state["optimizer"] = {}
+        # None (an empty state) without the optimizer, and before a first step: torch's
+        # get_optimizer_state_dict would make a state by a step on zero gradients,
+        # which counts (Adam's bias correction, one step on).
+        kept = self.optimizer if optimizer and self.optimizer.state else None
+        state = hf_state(self.policy, kept, tinker_steps=self._steps)
         trainer_state = checkpoint.TrainerState(
             format=checkpoint.FORMAT_VERSION, step=self._steps, version=self._steps,
             data_cursor=0, run_id=path.parent.parent.name, config_digest="",
@@ -267,6 +288,11 @@ def check_adam(step: AdamStep) -> None:
 # ---- the losses: per token, from the targets' log-probs under the trained weights
 
 
+def _ratio(logprobs: Tensor, inputs: Mapping[str, Tensor]) -> Tensor:
+    """``π(y_t) / q(y_t)``: the trained weights' probability over the sampler's."""
+    return torch.exp(logprobs - inputs["logprobs"].float())
+
+
 def cross_entropy(logprobs: Tensor, inputs: Mapping[str, Tensor], _: Mapping[str, float]) -> Tensor:
     return -inputs["weights"].float() * logprobs
 
@@ -274,7 +300,7 @@ def cross_entropy(logprobs: Tensor, inputs: Mapping[str, Tensor], _: Mapping[str
 def importance_sampling(
     logprobs: Tensor, inputs: Mapping[str, Tensor], _: Mapping[str, float]
 ) -> Tensor:
-    ratio = torch.exp(logprobs - inputs["logprobs"].float())
+    ratio = _ratio(logprobs, inputs)
     return -ratio * inputs["advantages"].float()
 
 
@@ -292,9 +318,36 @@ def clip_band(config: Mapping[str, float]) -> tuple[float, float]:
 
 def ppo(logprobs: Tensor, inputs: Mapping[str, Tensor], config: Mapping[str, float]) -> Tensor:
     low, high = clip_band(config)
-    ratio = torch.exp(logprobs - inputs["logprobs"].float())
+    ratio = _ratio(logprobs, inputs)
     advantages = inputs["advantages"].float()
     return -torch.min(ratio * advantages, ratio.clamp(low, high) * advantages)
+
+
+def cispo(logprobs: Tensor, inputs: Mapping[str, Tensor], config: Mapping[str, float]) -> Tensor:
+    low, high = clip_band(config)
+    ratio = _ratio(logprobs, inputs)
+    return -ratio.clamp(low, high).detach() * logprobs * inputs["advantages"].float()
+
+
+def dro_beta(config: Mapping[str, float]) -> float:
+    """``dro``'s ``beta`` from ``loss_fn_config`` (:data:`DRO_BETA` unless given)."""
+    beta = float(config.get("beta", DRO_BETA))
+    if not (math.isfinite(beta) and beta >= 0):
+        raise RequestError(f"loss_fn_config: beta {beta}: expected a finite value >= 0")
+    return beta
+
+
+def dro(logprobs: Tensor, inputs: Mapping[str, Tensor], config: Mapping[str, float]) -> Tensor:
+    penalty = (logprobs - inputs["logprobs"].float()) ** 2
+    return -(logprobs * inputs["advantages"].float() - 0.5 * dro_beta(config) * penalty)
+
+
+def check_loss_config(loss: LossName, config: Mapping[str, float]) -> None:
+    """A ``loss_fn_config`` that ``loss`` cannot take: the client's error."""
+    if loss in ("ppo", "cispo"):
+        clip_band(config)
+    elif loss == "dro":
+        dro_beta(config)
 
 
 LOSS_TERMS: dict[LossName, Callable[[Tensor, Mapping[str, Tensor], Mapping[str, float]], Tensor]]
@@ -302,6 +355,8 @@ LOSS_TERMS = {
     "cross_entropy": cross_entropy,
     "importance_sampling": importance_sampling,
     "ppo": ppo,
+    "cispo": cispo,
+    "dro": dro,
 }
 
 
@@ -354,21 +409,28 @@ class HFTrainingBackend:
         generations = await self.samplers.sample(saved, prompts, sampling, seed)
         return [self._cut(g, stop_strings) for g in generations] if stop_strings else generations
 
-    def prompt_logprobs(self, weights: Path | None, prompt: Sequence[int]) -> list[float]:
+    def prompt_logprobs(
+        self, weights: Path | None, prompt: Sequence[int], top_k: int = 0
+    ) -> PromptScores:
         saved = None if weights is None else self.samplers.adapter_at(weights, self._read(weights))
         policy = self.base if saved is None else self._scorer(saved)
         device = next(self.base.parameters()).device
         ids = torch.tensor([list(prompt)]).to(device)  # the request's ids: made on the CPU
         with torch.no_grad():
             logprobs = torch.log_softmax(policy(ids), -1)[0, :-1]
-        return logprobs.gather(-1, ids[0, 1:, None]).squeeze(-1).tolist()
+        chosen = logprobs.gather(-1, ids[0, 1:, None]).squeeze(-1).tolist()
+        if not top_k:
+            return PromptScores(chosen, [])
+        best = logprobs.topk(min(top_k, logprobs.shape[-1]), dim=-1)
+        rows = zip(best.indices.tolist(), best.values.tolist(), strict=True)
+        return PromptScores(chosen, [list(zip(i, v, strict=True)) for i, v in rows])
 
     def _scorer(self, saved: SavedAdapter) -> HFPolicy:
         """A copy of the base with ``saved``'s adapter shape (one per shape, kept), now
         holding its weights."""
         policy = self._scorers.get(saved.shape)
         if policy is None:
-            policy = self._scorers[saved.shape] = copy.deepcopy(self.base)
+            policy = self._scorers[saved.shape] = sharing_weights(self.base)
             add_lora(policy, saved.settings, 0)
             policy.eval()
         tensors = {name.removeprefix(PREFIX): t for name, t in saved.adapter.tensors.items()}

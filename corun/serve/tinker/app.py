@@ -163,7 +163,7 @@ class _Api:
     async def get_info(self, request: Request) -> dict[str, Any]:
         body = await _json(request, wire.SessionRequest)
         model = self.service.model(body.model_id or "")
-        info = model.model.info
+        info = model.info
         return {"type": "get_info", "model_id": model.model_id, "is_lora": True,
                 "lora_rank": info.lora_rank, "model_name": info.base_model,
                 "model_data": {"arch": "corun", "model_name": info.base_model,

@@ -20,7 +20,7 @@ import anyio
 import anyio.abc
 
 from corun.base.config import ServeConfig
-from corun.contract.training_api import TrainingBackend
+from corun.contract.training_api import TrainingBackend, TrainingModel
 from corun.execution.compute import Lane
 from corun.serve.server import HTTPService, bearer_token
 from corun.serve.tinker.app import build_app
@@ -58,6 +58,10 @@ class TinkerServer(HTTPService):
     async def _save_open_models(self) -> None:
         for entry in list(self.service.models.values()):
             directory = self.service.directory(entry.model_id, "weights", LAST)
-            await self.lane.run(partial(entry.model.save, directory, optimizer=True))
+            await self.service.on_model(entry, partial(_save_whole, directory))
             write_record(directory, entry.base_model, entry.shape)
             print(f"corun: saved {tinker_path(entry.model_id, 'weights', LAST)}", file=sys.stderr)
+
+
+def _save_whole(directory: Path, model: TrainingModel) -> None:
+    model.save(directory, optimizer=True)

@@ -25,7 +25,7 @@ from collections import deque
 from collections.abc import Awaitable, Callable, Coroutine
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import anyio
 import anyio.abc
@@ -36,6 +36,7 @@ from corun.contract.engine import Sampling
 from corun.contract.training_api import (
     AdamStep,
     LoraShape,
+    ModelInfo,
     RequestError,
     TrainingBackend,
     TrainingModel,
@@ -44,11 +45,14 @@ from corun.execution.compute import Lane
 from corun.serve.tinker import wire
 from corun.serve.tinker.futures import Future, Futures, Reply, Turns, answer
 
+T = TypeVar("T")
 SCHEME = "tinker://"
 KINDS = {"weights": "training", "sampler_weights": "sampler"}
 SAVE_TYPES = {"weights": "save_weights", "sampler_weights": "save_weights_for_sampler"}
 RECORD = "tinker.json"
 SNAPSHOTS = 4
+EVICTED = "evicted"  # <root>/<model_id>/evicted/: an evicted model's adapters and optimizer
+MAX_TOPK = 64  # top-k prompt log-probs a request may ask for, per position
 NAME = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.=-]*$")
 
 
@@ -62,7 +66,9 @@ class Model:
     session_id: str
     base_model: str
     shape: LoraShape
-    model: TrainingModel
+    seed: int
+    info: ModelInfo
+    model: TrainingModel | None  # None: evicted (saved under EVICTED), reloaded on use
     turns: Turns
     snapshots: deque[Path] = field(default_factory=deque)
 
@@ -89,6 +95,7 @@ class TinkerService:
         self.samplers: dict[str, SamplerRef] = {}
         self.sessions: set[str] = set()
         self._creating: dict[str, Future] = {}
+        self._recent: dict[str, None] = {}  # model ids, least recently used first
         self._sampling = 0
         self._tasks: anyio.abc.TaskGroup | None = None
         self._closed = anyio.Event()
@@ -149,7 +156,7 @@ class TinkerService:
             directory, _ = self.resolve(request.path, "weights")
             base_model, shape = read_record(directory)
             model = await self._new_model(session_id, seq, base_model, shape, seq)
-            await self.lane.run(lambda: model.model.load(directory, optimizer=request.optimizer))
+            await self.on_model(model, lambda m: m.load(directory, optimizer=request.optimizer))
             return Reply.json({"path": request.path, "model_id": model.model_id,
                                "type": "load_weights"})  # fmt: skip
 
@@ -176,17 +183,56 @@ class TinkerService:
             raise RequestError(f"session_id {session_id!r}: no such session here")
         model = await self.lane.run(self.backend.create_model, base_model, shape, seed)
         model_id = model_name(session_id, seq)
-        entry = Model(model_id, session_id, base_model, shape, model,
+        entry = Model(model_id, session_id, base_model, shape, seed, model.info, model,
                       Turns(self.config.tinker_queue))  # fmt: skip
+        self._recent[model_id] = None
+        await self.lane.run(self._evict_past_limit, entry)
 
         async def serve() -> None:
             await entry.turns.run()
             if session_id not in self.sessions:  # it finished: release the model
                 self.models.pop(model_id, None)
+                self._recent.pop(model_id, None)
 
         self._spawn(serve)
         self.models[model_id] = entry
         return entry
+
+    async def on_model(self, model: Model, fn: Callable[[TrainingModel], T]) -> T:
+        """``fn`` of ``model``'s trainer, on the lane: reloaded first if it was evicted,
+        and the others past ``serve.tinker_max_models`` evicted, all in one lane call
+        (no other model's work runs in between)."""
+        return await self.lane.run(self._held_call, model, fn)
+
+    def _held_call(self, model: Model, fn: Callable[[TrainingModel], T]) -> T:
+        self._recent.pop(model.model_id, None)
+        self._recent[model.model_id] = None  # the most recently used
+        if model.model is None:
+            saved = self.root / model.model_id / EVICTED
+            reloaded = self.backend.create_model(model.base_model, model.shape, model.seed)
+            reloaded.load(saved, optimizer=True)
+            model.model = reloaded
+            shutil.rmtree(saved, ignore_errors=True)
+        self._evict_past_limit(model)
+        return fn(model.model)
+
+    def _evict_past_limit(self, keep: Model) -> None:
+        """Save and drop the least recently used models past the bound (blocking; on the
+        lane). A model with gradients not yet applied stays: they are not saved."""
+        limit = self.config.tinker_max_models
+        if not limit:
+            return
+        order = [keep if i == keep.model_id else self.models.get(i) for i in self._recent]
+        held = [m for m in order if m is not None and m.model is not None]
+        excess = len(held) - limit
+        for victim in held:
+            if excess <= 0:
+                return
+            if victim is keep or victim.model is None or victim.model.holds_gradients:
+                continue
+            victim.model.save(self.root / victim.model_id / EVICTED, optimizer=True)
+            victim.model = None
+            excess -= 1
 
     def model(self, model_id: str) -> Model:
         found = self.models.get(model_id)
@@ -214,17 +260,17 @@ class TinkerService:
         self, model: Model, loss: Any, config: dict[str, float], forward_only: bool,
         data: list[Any],
     ) -> Reply:  # fmt: skip
-        result = await self.lane.run(model.model.forward_backward, data, loss, config,
-                                     not forward_only)  # fmt: skip
+        result = await self.on_model(
+            model, lambda m: m.forward_backward(data, loss, config, not forward_only)
+        )
         return Reply(wire.forward_backward_output(result), wire.PROTOBUF)
 
     async def optim_step(self, model: Model, request: wire.OptimStep) -> Reply:
         if request.adam_params is None:
             kind = (request.optimizer_params or {}).get("type", "?")
             raise RequestError(f"optimizer {kind!r}: corun serves AdamW (adam_params) only")
-        metrics = await self.lane.run(
-            model.model.optim_step, AdamStep(**_fields(request.adam_params))
-        )
+        step = AdamStep(**_fields(request.adam_params))
+        metrics = await self.on_model(model, lambda m: m.optim_step(step))
         return Reply.json({"metrics": {f"{key}:mean": value for key, value in metrics.items()},
                            "type": "optim_step"})  # fmt: skip
 
@@ -236,7 +282,7 @@ class TinkerService:
             raise RequestError(f"{tinker_path(model.model_id, kind, name)} exists (overwrite: true "
                                "to replace it)")  # fmt: skip
         optimizer = kind == "weights"
-        await self.lane.run(lambda: model.model.save(directory, optimizer=optimizer))
+        await self.on_model(model, lambda m: m.save(directory, optimizer=optimizer))
         write_record(directory, model.base_model, model.shape)
         path = tinker_path(model.model_id, kind, name)
         if not snapshot:
@@ -253,7 +299,7 @@ class TinkerService:
 
     async def load(self, model: Model, request: wire.LoadWeights) -> Reply:
         directory, _ = self.resolve(request.path, "weights")
-        await self.lane.run(lambda: model.model.load(directory, optimizer=request.optimizer))
+        await self.on_model(model, lambda m: m.load(directory, optimizer=request.optimizer))
         return Reply.json({"path": request.path, "model_id": model.model_id,
                            "type": "load_weights"})  # fmt: skip
 
@@ -316,10 +362,13 @@ class TinkerService:
                 ref.weights, [prompt] * request.num_samples, sampling, seed,
                 stop_strings=strings, stop_at_eos=eos,
             )  # fmt: skip
-            scored = None
-            if request.prompt_logprobs:
-                scored = await self.lane.run(self.backend.prompt_logprobs, ref.weights, prompt)
-            return Reply(wire.sample_response(generations, scored), wire.PROTOBUF)
+            scored, top_k = None, request.topk_prompt_logprobs
+            if request.prompt_logprobs or top_k:
+                scored = await self.lane.run(
+                    self.backend.prompt_logprobs, ref.weights, prompt, top_k
+                )
+            response = wire.sample_response(generations, scored, request.prompt_logprobs, top_k)
+            return Reply(response, wire.PROTOBUF)
 
         return job
 
@@ -329,10 +378,8 @@ class TinkerService:
         params = request.sampling_params
         limit = self.backend.max_length
         unserved = {
-            "topk_prompt_logprobs": request.topk_prompt_logprobs,
             "topk_sample_logprobs": request.topk_sample_logprobs,
             "prompt_alt_tokens_k": request.prompt_alt_tokens_k,
-            "sampling_params.top_k": params.top_k not in (-1, 0),
         }  # fmt: skip
         for name, asked in unserved.items():
             if asked:
@@ -347,10 +394,16 @@ class TinkerService:
                                f"{prompt_len} tokens leave 1..{limit - prompt_len}")  # fmt: skip
         if params.temperature < 0 or not 0 < params.top_p <= 1:
             raise RequestError("sampling_params: temperature >= 0 and 0 < top_p <= 1")
+        if not 0 <= request.topk_prompt_logprobs <= MAX_TOPK:
+            raise RequestError(f"topk_prompt_logprobs = {request.topk_prompt_logprobs}: "
+                               f"expected 0..{MAX_TOPK}")  # fmt: skip
+        if params.top_k < -1:
+            raise RequestError(f"sampling_params.top_k = {params.top_k}: expected -1 (off) or more")
         stop = [params.stop] if isinstance(params.stop, str) else params.stop
         ids = tuple(s for s in stop or [] if isinstance(s, int))
         strings = [s for s in stop or [] if isinstance(s, str)]
-        sampling = Sampling(max_tokens, params.temperature, params.top_p, stop_ids=ids)
+        sampling = Sampling(max_tokens, params.temperature, params.top_p, stop_ids=ids,
+                            top_k=max(params.top_k, 0))  # fmt: skip
         return sampling, strings, stop != []
 
     # ------------------------------------------------------------------ names on disk

@@ -18,13 +18,21 @@ import torch
 
 from corun.base.errors import ConfigError
 from corun.contract.engine import Generation
-from corun.contract.training_api import LOSSES, Datum, ForwardResult, LossName, RequestError
+from corun.contract.training_api import (
+    LOSSES,
+    Datum,
+    ForwardResult,
+    LossName,
+    PromptScores,
+    RequestError,
+)
 
 if TYPE_CHECKING:
     from tinker.proto import tinker_public_pb2
 
 SDK_VERSION = "0.38.0"
 PROTOBUF = "application/x-protobuf"
+EMPTY_LOGPROB = -99999.0  # an empty cell of a TopkLogprobs matrix (the SDK reads its row as None)
 
 
 def proto() -> Any:
@@ -252,10 +260,12 @@ StopReason = Literal["stop", "length"]
 
 
 def sample_response(
-    generations: Sequence[Generation], prompt_logprobs: Sequence[float] | None = None
-) -> bytes:
+    generations: Sequence[Generation], scored: PromptScores | None = None,
+    chosen: bool = True, top_k: int = 0,
+) -> bytes:  # fmt: skip
     """A SampleResponse: per sequence its tokens, log-probs and why it ended; the prompt's
-    log-probs (NaN first: nothing predicts the first token) when asked for."""
+    log-probs (``chosen``: NaN first, nothing predicts the first token) and its top
+    ``top_k`` per position (the first row empty) from ``scored``, when asked for."""
     pb = proto()
     response = pb.SampleResponse()
     for generation in generations:
@@ -265,6 +275,15 @@ def sample_response(
             tokens=np.asarray(generation.ids, "<i4").tobytes(),
             logprobs=np.asarray(generation.logprobs, "<f4").tobytes(),
         )  # fmt: skip
-    if prompt_logprobs is not None:
-        response.prompt_logprobs = np.asarray([math.nan, *prompt_logprobs], "<f4").tobytes()
+    if scored is not None and chosen:
+        response.prompt_logprobs = np.asarray([math.nan, *scored.chosen], "<f4").tobytes()
+    if scored is not None and top_k:
+        ids = np.zeros((len(scored.top) + 1, top_k), "<i4")
+        values = np.full((len(scored.top) + 1, top_k), EMPTY_LOGPROB, "<f4")
+        for row, best in enumerate(scored.top, start=1):
+            ids[row, : len(best)] = [token for token, _ in best]
+            values[row, : len(best)] = [value for _, value in best]
+        response.topk_prompt_logprobs.CopyFrom(pb.TopkLogprobs(
+            token_ids=ids.tobytes(), logprobs=values.tobytes(), k=top_k, length=len(ids)
+        ))  # fmt: skip
     return bytes(response.SerializeToString())
