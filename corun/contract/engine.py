@@ -132,6 +132,28 @@ class AdapterEngine(Protocol):
 
 
 @runtime_checkable
+class ScoringEngine(Protocol):
+    """An engine that also scores given tokens: a distillation teacher's
+    (trainers/hf/distill.py). Scores are under the weights' own distribution
+    (temperature 1, nothing truncated)."""
+
+    async def score(
+        self, prompts: Sequence[Sequence[int]], completions: Sequence[Sequence[int]]
+    ) -> list[list[float]]:
+        """Per completion, each token's log-prob given its prompt and the completion's
+        tokens before it."""
+        ...
+
+    async def distributions(
+        self, prompts: Sequence[Sequence[int]], completions: Sequence[Sequence[int]]
+    ) -> list[Tensor]:
+        """Per completion, the whole log-prob row at each of its tokens (tokens, vocab),
+        on the CPU: what an exact per-token KL needs. An engine that returns top-k
+        log-probs only (vLLM) raises :class:`EngineError`."""
+        ...
+
+
+@runtime_checkable
 class SleepingEngine(Protocol):
     """An engine on the trainer's GPU that gives its memory back while the trainer
     steps (vLLM's sleep mode): the template calls :meth:`sleep` before each update and

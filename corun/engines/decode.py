@@ -129,6 +129,41 @@ def generate(
     return _generations(tokens, logprobs, versions, set(stop_ids), tops)
 
 
+def score(
+    policy: CausalLM, prompts: Sequence[Sequence[int]], completions: Sequence[Sequence[int]],
+    pad_id: int,
+) -> list[list[float]]:  # fmt: skip
+    """Per completion, each token's log-prob (temperature 1) given its prompt and the
+    completion's tokens before it."""
+    rows = distributions(policy, prompts, completions, pad_id)
+    return [row.gather(-1, torch.tensor(c, dtype=torch.long)[:, None])[:, 0].tolist()
+            for row, c in zip(rows, completions, strict=True)]  # fmt: skip
+
+
+@torch.no_grad()
+def distributions(
+    policy: CausalLM, prompts: Sequence[Sequence[int]], completions: Sequence[Sequence[int]],
+    pad_id: int,
+) -> list[Tensor]:  # fmt: skip
+    """Per completion, the model's whole log-prob row (temperature 1) at each of its
+    tokens, given its prompt and the completion's tokens before it: (tokens, vocab),
+    on the CPU. One forward pass over the rows, left-padded."""
+    model = policy.model
+    was_training = model.training
+    model.eval()
+    device = next(model.parameters()).device
+    ids, mask = left_pad([[*p, *c] for p, c in zip(prompts, completions, strict=True)],
+                         pad_id, device)  # fmt: skip
+    attention = mask.long()
+    logits = model(input_ids=ids, attention_mask=attention,
+                   position_ids=positions(attention)).logits[:, :-1].float()  # fmt: skip
+    log_dist = torch.log_softmax(logits, dim=-1).cpu()
+    model.train(was_training)
+    # Left-padded: each completion is its row's last tokens, read from the position before.
+    width = log_dist.shape[1]
+    return [log_dist[i, width - len(c) :] for i, c in enumerate(completions)]
+
+
 def _keeps_logits(model: nn.Module) -> bool:
     """Whether ``model`` computes only its last positions' logits when asked
     (transformers' ``logits_to_keep``; a peft wrapper passes it to its base model)."""

@@ -63,14 +63,17 @@ class Policy(CausalLM, Protocol):
     def weights(self) -> dict[str, Tensor]: ...
 
 
-def check_engine(kind: EngineKind, options: EngineOptions, interrupt: bool) -> None:
-    """Options the chosen engine does not take: a usage error naming the setting."""
+def check_engine(
+    kind: EngineKind, options: EngineOptions, interrupt: bool, where: str = WHERE
+) -> None:
+    """Options the chosen engine does not take: a usage error naming the setting (under
+    ``where``, the options' table)."""
     default = EngineOptions()
     for name in options.__struct_fields__:
         if name not in _TAKES[kind] and getattr(options, name) != getattr(default, name):
             takers = " and ".join(f"{k!r}" for k, takes in _TAKES.items() if name in takes)
             raise ConfigError(
-                f"`$.{WHERE}.{name}`: the {kind!r} engine has no such option (it applies to "
+                f"`$.{where}.{name}`: the {kind!r} engine has no such option (it applies to "
                 f"{takers})"
             )
     if interrupt and kind != "local":
@@ -80,18 +83,18 @@ def check_engine(kind: EngineKind, options: EngineOptions, interrupt: bool) -> N
         )
     if kind == "vllm-server" and options.colocate:
         raise ConfigError(
-            f'`$.{WHERE}.colocate`: the "vllm-server" engine runs in a process of its own; '
+            f'`$.{where}.colocate`: the "vllm-server" engine runs in a process of its own; '
             'on the trainer\'s GPU use engine = "vllm" (in process, it sleeps while the '
             "trainer steps)"
         )
     if kind == "vllm" and options.devices:
         raise ConfigError(
-            f'`$.{WHERE}.devices`: an in-process "vllm" engine runs on the trainer\'s '
+            f'`$.{where}.devices`: an in-process "vllm" engine runs on the trainer\'s '
             'device; on GPUs of its own use engine = "vllm-server"'
         )
     if kind == "remote" and not options.urls:
         raise ConfigError(
-            f'`$.{WHERE}.urls` = []: engine = "remote" needs the URLs of its engine servers '
+            f'`$.{where}.urls` = []: engine = "remote" needs the URLs of its engine servers '
             "(`corun engine serve CONFIG` prints each one's)"
         )
 
@@ -100,23 +103,24 @@ async def start_engine(
     kind: EngineKind, options: EngineOptions, policy: Policy, pad_id: int,
     ctx: SetupContext, *, interrupt: bool,
     wrap: Callable[[Engine], Awaitable[Engine]] | None = None, adapter: Adapter | None = None,
+    role: str = "engine", where: str = WHERE,
 ) -> Engine:  # fmt: skip
     """Start the engine on the policy's current weights (version 0), within
     ``options.start_timeout_s``; ``wrap`` (awaited within it too) may wrap the started
     engine. ``adapter``: the policy's LoRA adapter (``[trainer.lora]``; the policy's
     model has its layers injected), which a vLLM engine loads as version 0 (set
-    ``options.lora_rank``). Returns it bounded by the other deadlines of ``options``."""
-    check_engine(kind, options, interrupt)
-    check_placement(options, ctx)
-    bounded = BoundedEngine(
-        f"the {kind!r} engine", WHERE, options.request_timeout_s, options.shutdown_timeout_s
-    )
-    with deadline(f"the {kind!r} engine's start", options.start_timeout_s,
-                  f"{WHERE}.start_timeout_s"):  # fmt: skip
+    ``options.lora_rank``). Returns it bounded by the other deadlines of ``options``.
+    ``role`` names it (its lane, its errors, its teardown: "engine", or a distillation's
+    "teacher"), ``where`` is its options' table in the config."""
+    check_engine(kind, options, interrupt, where)
+    check_placement(options, ctx, where)
+    name = f"the {kind!r} {role}" if role == "engine" else f"the {role}'s {kind!r} engine"
+    bounded = BoundedEngine(name, where, options.request_timeout_s, options.shutdown_timeout_s)
+    with deadline(f"{name}'s start", options.start_timeout_s, f"{where}.start_timeout_s"):
         # A start that fails or is cut short ends what it began (the engines' start);
         # once started, the engine is torn down in order whatever follows.
-        bounded.inner = await _start(kind, options, policy, pad_id, ctx, interrupt)
-        ctx.on_teardown("engine", bounded.shutdown)
+        bounded.inner = await _start(kind, options, policy, pad_id, ctx, interrupt, role)
+        ctx.on_teardown(role, bounded.shutdown)
         if options.colocate:  # the template puts it to sleep while the trainer steps
             ctx.share_device(bounded.sleeper())
         if kind != "local":  # vLLM loaded the directory's weights; the policy may differ
@@ -137,12 +141,12 @@ _TAKES: dict[str, tuple[str, ...]] = {
 }  # fmt: skip
 
 
-def check_placement(options: EngineOptions, ctx: SetupContext) -> None:
+def check_placement(options: EngineOptions, ctx: SetupContext, where: str = WHERE) -> None:
     """Where the engine runs, against the run: a colocated engine alternates with the
     trainer (concurrency 1); an engine's own GPUs exist and are not the trainer's."""
     if options.colocate and ctx.config.loop.concurrency > 1:
         raise ConfigError(
-            f"`$.{WHERE}.colocate`: a colocated engine sleeps while the trainer steps, so "
+            f"`$.{where}.colocate`: a colocated engine sleeps while the trainer steps, so "
             f"generation cannot overlap training (loop.concurrency = "
             f"{ctx.config.loop.concurrency}); set loop.concurrency = 1"
         )
@@ -152,16 +156,16 @@ def check_placement(options: EngineOptions, ctx: SetupContext) -> None:
     missing = [d for d in options.devices if d >= count]
     if missing:
         raise ConfigError(
-            f"`$.{WHERE}.devices` = {options.devices}: this machine has {count} CUDA "
+            f"`$.{where}.devices` = {options.devices}: this machine has {count} CUDA "
             f"device(s), no cuda:{missing[0]}"
         )
     if len(set(options.devices)) != len(options.devices):
-        raise ConfigError(f"`$.{WHERE}.devices` = {options.devices}: a device named twice")
+        raise ConfigError(f"`$.{where}.devices` = {options.devices}: a device named twice")
 
 
 async def _start(
     kind: EngineKind, options: EngineOptions, policy: Policy, pad_id: int,
-    ctx: SetupContext, interrupt: bool,
+    ctx: SetupContext, interrupt: bool, role: str = "engine",
 ) -> Engine:  # fmt: skip
     loop = ctx.config.loop
     if kind == "local":
@@ -170,7 +174,7 @@ async def _start(
         # At concurrency 1 rollouts and updates alternate on the train lane, as in a
         # hand-written loop; above it the engine generates on its own.
         shared = loop.concurrency == 1 and ctx.lane is not None
-        lane = ctx.lane if shared else run_lane(ctx.config, "engine")
+        lane = ctx.lane if shared else run_lane(ctx.config, role)
         assert lane is not None
         return TransformersEngine(
             policy, pad_id, lane, owns_lane=not shared, interrupt=interrupt,

@@ -30,8 +30,9 @@ from __future__ import annotations
 
 import copy
 import threading
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
+from typing import TypeVar
 
 import anyio
 import torch
@@ -42,6 +43,8 @@ from corun.engines import decode
 from corun.engines.fingerprint import bits_sum, format_fingerprint, weights_fingerprint
 from corun.engines.lora import adapter_parameters, parameter_name
 from corun.execution.compute import Lane, blocking_io
+
+T = TypeVar("T")
 
 
 @dataclass(frozen=True)
@@ -111,6 +114,26 @@ class TransformersEngine:
         return decode.generate(
             self, prompts, sampling, generator, self.pad_id, self._current_weights
         )
+
+    async def score(
+        self, prompts: Sequence[Sequence[int]], completions: Sequence[Sequence[int]]
+    ) -> list[list[float]]:
+        return await self._scoring(decode.score, prompts, completions)
+
+    async def distributions(
+        self, prompts: Sequence[Sequence[int]], completions: Sequence[Sequence[int]]
+    ) -> list[Tensor]:
+        return await self._scoring(decode.distributions, prompts, completions)
+
+    async def _scoring(
+        self, scorer: Callable[..., T], prompts: Sequence[Sequence[int]],
+        completions: Sequence[Sequence[int]],
+    ) -> T:  # fmt: skip
+        await self._resumed.wait()
+        if self._closed:
+            raise EngineError("the transformers engine is shut down")
+        rows, tails = [list(p) for p in prompts], [list(c) for c in completions]
+        return await self.lane.run(scorer, self, rows, tails, self.pad_id)
 
     def _current_weights(self) -> int:
         """Between decode steps (on the lane): take weights published since, if any."""

@@ -54,6 +54,7 @@ from corun.contract.engine import (
     EngineError,
     Generation,
     Sampling,
+    ScoringEngine,
     SleepingEngine,
     engine_metrics,
 )
@@ -62,7 +63,8 @@ from corun.contract.user_calls import deadline as deadline
 
 
 class BoundedEngine:
-    """An :class:`Engine` whose every call has a deadline: ``generate``, ``pause``,
+    """An :class:`Engine` whose every call has a deadline: ``generate``, ``score`` and
+    ``distributions`` (an :class:`EngineError` if the engine scores nothing), ``pause``,
     ``update_weights``, ``update_adapter`` (an :class:`EngineError` if the engine takes
     no adapters) and ``fingerprint`` ``request_timeout_s``, ``shutdown``
     ``shutdown_timeout_s``.
@@ -98,6 +100,24 @@ class BoundedEngine:
     ) -> list[Generation]:
         with self._request("generate"):
             return await self._live().generate(prompts, sampling, seed)
+
+    async def score(
+        self, prompts: Sequence[Sequence[int]], completions: Sequence[Sequence[int]]
+    ) -> list[list[float]]:
+        inner = self._live()
+        if not isinstance(inner, ScoringEngine):
+            raise EngineError(f"{self.name} does not score tokens")
+        with self._request("scoring"):
+            return await inner.score(prompts, completions)
+
+    async def distributions(
+        self, prompts: Sequence[Sequence[int]], completions: Sequence[Sequence[int]]
+    ) -> list[Tensor]:
+        inner = self._live()
+        if not isinstance(inner, ScoringEngine):
+            raise EngineError(f"{self.name} does not score tokens")
+        with self._request("scoring"):
+            return await inner.distributions(prompts, completions)
 
     async def update_weights(self, state: Mapping[str, Tensor], version: int) -> None:
         done = False

@@ -29,18 +29,19 @@ if TYPE_CHECKING:
     from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 PREFIX = "hf:"
-BUILT_IN = "tiny-llama"  # trainers/hf/tiny.py
+BUILT_IN = "tiny-llama"  # trainers/hf/tiny.py (and "tiny-llama-large", its teacher)
 # Config keys of models whose logits are not lm_head(hidden): refused (see above).
 LOGIT_POSTPROCESSING = ("final_logit_softcapping", "logit_scale", "logits_scaling")
 
 
 def model_dir(spec: str, where: str) -> Path:
-    """The directory of ``hf:<dir>``, or of the built-in ``tiny-llama`` (built on first
-    use); anything else is a usage error naming ``where``."""
-    if spec == BUILT_IN:
-        from trainers.hf.tiny import built_in
+    """The directory of ``hf:<dir>``, or of a built-in model (``tiny-llama``,
+    ``tiny-llama-large``: built on first use); anything else is a usage error naming
+    ``where``."""
+    from trainers.hf.tiny import BUILT_INS, built_in
 
-        return built_in()
+    if spec in BUILT_INS:
+        return built_in(spec)
     if not spec.startswith(PREFIX) or not spec[len(PREFIX) :]:
         raise ConfigError(f'{where} = {spec!r}: expected "hf:<directory>" or "{BUILT_IN}"')
     path = Path(spec[len(PREFIX) :]).expanduser()

@@ -281,9 +281,18 @@ class HFPrompts(HFRollouts):
             **engine_metrics(self.engine),  # a fleet's: members serving, dropped, retried
         }
         scored = Scored(rollouts, [str(e.prompt) for e in rows], fill_failed(rewards, ok, n))
+        scored, annotated = await self.annotate(scored, ctx)
+        metrics |= annotated
         data = self.training_data(scored)
         version = rollouts.version
         return Batch(data, metrics=metrics, version=version, weights=self.weights(version))
+
+    async def annotate(
+        self, scored: Scored, ctx: RolloutContext
+    ) -> tuple[Scored, dict[str, float]]:
+        """What a subclass adds to a scored batch before it becomes training data, with
+        its metrics (trainers/hf/distill.py: the teacher's log-probs)."""
+        return scored, {}
 
     # ---- evaluation
     async def evaluate(self) -> dict[str, float]:

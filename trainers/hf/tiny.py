@@ -76,24 +76,32 @@ def build(path: str | Path, *, hidden: int = 64, layers: int = 2, heads: int = 2
     return path
 
 
-# Versioned: a directory built with an older chat template is never picked up.
-BUILT_IN_DIR = Path("runs/models/tiny-llama-2")
+# The built-in models by name: (directory, shape). Versioned: a directory built with
+# an older chat template is never picked up. All share one tokenizer (trained the same
+# way on the same corpus), so any of them can teach another (trainers/hf/distill.py).
+BUILT_INS: dict[str, tuple[Path, dict[str, int]]] = {
+    "tiny-llama": (Path("runs/models/tiny-llama-2"), {}),
+    # About 4x the parameters (hidden 128, 4 layers): a teacher for the tiny one.
+    "tiny-llama-large": (Path("runs/models/tiny-llama-large-2"), {"hidden": 128, "layers": 4}),
+}
+BUILT_IN_DIR = BUILT_INS["tiny-llama"][0]
 
 
-def built_in() -> Path:
-    """The built-in tiny model's directory (under the working directory), written on
-    first use; written to a temporary sibling and renamed, so an interrupted build
-    never leaves half a model behind, under a file lock, so processes starting
-    together (data-parallel ranks, test workers) build it once."""
-    if not (BUILT_IN_DIR / "config.json").is_file():
-        BUILT_IN_DIR.parent.mkdir(parents=True, exist_ok=True)
-        with open(BUILT_IN_DIR.parent / f".{BUILT_IN_DIR.name}.lock", "w") as lock:
+def built_in(name: str = "tiny-llama") -> Path:
+    """A built-in model's directory (under the working directory), written on first
+    use; written to a temporary sibling and renamed, so an interrupted build never
+    leaves half a model behind, under a file lock, so processes starting together
+    (data-parallel ranks, test workers) build it once."""
+    directory, shape = BUILT_INS[name]
+    if not (directory / "config.json").is_file():
+        directory.parent.mkdir(parents=True, exist_ok=True)
+        with open(directory.parent / f".{directory.name}.lock", "w") as lock:
             fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes
-            if not (BUILT_IN_DIR / "config.json").is_file():
-                with tempfile.TemporaryDirectory(dir=BUILT_IN_DIR.parent) as tmp:
-                    build(Path(tmp) / "model")
-                    (Path(tmp) / "model").rename(BUILT_IN_DIR)
-    return BUILT_IN_DIR
+            if not (directory / "config.json").is_file():
+                with tempfile.TemporaryDirectory(dir=directory.parent) as tmp:
+                    build(Path(tmp) / "model", **shape)
+                    (Path(tmp) / "model").rename(directory)
+    return directory
 
 
 if __name__ == "__main__":

@@ -149,6 +149,11 @@ class Scored:
     rollouts: Rollouts
     prompts: list[str]  # one per row
     rewards: Tensor  # (N,)
+    # A teacher's log-probs of the response tokens (N, T), under on-policy distillation
+    # (trainers/lm/distill.py); 0 past each response. With its whole log-prob rows
+    # (N, T, vocab) when the exact reverse KL is taken.
+    teacher_logprobs: Tensor | None = None
+    teacher_rows: Tensor | None = None
 
 
 # Decoupled correction's proximal log-probs: computed, "own" (the loss's forward pass
