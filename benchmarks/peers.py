@@ -189,6 +189,19 @@ def run_corun(
         *(evals if eval_every else ["loop.eval_interval=0", "loop.baseline_eval=false"]),
     ]  # fmt: skip
     rss = measured(command, {**ENV, "OMP_WAIT_POLICY": "ACTIVE" if spinning else "PASSIVE"})
+    step_times, curve = training_curve(out)
+    metrics = read_records(out / "metrics.jsonl")
+    generate = [m["perf/generate_time_s"] for m in metrics if "perf/generate_time_s" in m]
+    tokens = [m["rollout/response_len_mean"] for m in metrics if "rollout/response_len_mean" in m]
+    figures = measures(step_times, generate, tokens, rss, curve)
+    if eval_every:
+        figures["final"] = Path(job("export", str(out), str(out / "final-model")))
+    return figures
+
+
+def training_curve(out: Path) -> tuple[list[float], list[tuple[int, float, float]]]:
+    """A corun run's step times and its held-out reward by (step, training seconds): the
+    seconds since set-up, evaluations excluded."""
     events = read_records(out / EVENTS_FILE)
     metrics = read_records(out / "metrics.jsonl")
     start = next(e["t"] for e in events if e["event"] in ("baseline_eval", "setup"))
@@ -199,14 +212,9 @@ def run_corun(
         e["step"]: e["t"] - start - sum(s for k, s in eval_s.items() if 0 < k < e["step"])
         for e in stepped
     }
-    generate = [m["perf/generate_time_s"] for m in metrics if "perf/generate_time_s" in m]
-    tokens = [m["rollout/response_len_mean"] for m in metrics if "rollout/response_len_mean" in m]
     curve = [(m["step"], train_s.get(m["step"], 0.0), m["eval/reward"])
              for m in metrics if "eval/reward" in m]  # fmt: skip
-    figures = measures(step_times, generate, tokens, rss, curve)
-    if eval_every:
-        figures["final"] = Path(job("export", str(out), str(out / "final-model")))
-    return figures
+    return step_times, curve
 
 
 def run_trl(model: Path, steps: int, eval_every: int, out: Path, passive: bool) -> dict[str, Any]:

@@ -48,6 +48,7 @@ SUITES = {  # name: the module (benchmarks/<module>.py) whose `suite` it is
     "fleet": "fleet",
     "peers": "peers",
     "generation": "generation",
+    "distill": "distill",
 }
 GRIDS = ("full", "quick", "tiny")
 EXIT_USAGE, EXIT_INTERRUPTED = 2, 130

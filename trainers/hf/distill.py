@@ -22,7 +22,7 @@ import torch
 from torch import Tensor
 
 from corun import ConfigError, RolloutContext, SetupContext
-from corun.contract.engine import Engine
+from corun.contract.engine import ScoringEngine
 from corun.engines.options import EngineOptions
 from corun.engines.start import EngineKind, check_engine, start_engine
 from trainers.hf.policy import HFPolicy
@@ -65,7 +65,7 @@ HFDistillConfig = with_settings("HFDistillConfig", DistillConfig, HFDistillSetti
 class HFDistillTrainer(HFPrompts):
     Config = HFDistillConfig
     Algorithm = Distill
-    teacher: Engine
+    teacher: ScoringEngine
 
     def prerequisites(self) -> list[str]:
         return warm_start_runs(self.config.init_from, self.config.teacher_from)
@@ -74,10 +74,12 @@ class HFDistillTrainer(HFPrompts):
         await super().setup(ctx)
         cfg = self.config
         teacher = await sync.on_lane(ctx.lane, self.load_teacher)
-        self.teacher = await start_engine(
+        started = await start_engine(
             cfg.teacher_engine, cfg.teacher_engine_options, teacher, self.chat.pad_id, ctx,
             interrupt=False, role="teacher", where=TEACHER_OPTIONS,
         )  # fmt: skip
+        assert isinstance(started, ScoringEngine)  # bounded: it passes scoring on
+        self.teacher = started
 
     def load_teacher(self) -> HFPolicy:
         """The teacher's model, refused (one line) if its tokenizer is not the student's."""
