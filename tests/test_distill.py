@@ -142,9 +142,9 @@ BAD = {
         "`$.trainer.teacher_engine_options.kv_cache_gib`",
     ),
     "no teacher": ("", "teacher"),
-    "exact KL from a vLLM teacher": (
+    "a teacher engine that scores nothing": (
         "teacher = 'tiny-llama'\nteacher_engine = 'vllm'\n",
-        "`$.trainer.distill_kl`",
+        "`$.trainer.teacher_engine`",
     ),
 }
 

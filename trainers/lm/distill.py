@@ -7,7 +7,7 @@ advantage (GRPO's). Two estimators (``distill_kl``):
 - ``"sampled"``: each sampled token's advantage is the teacher's log-prob minus the
   student's behaviour log-prob (a one-sample estimate of the negative reverse KL: the
   form of TRL's, NeMo-RL's and the tinker-cookbook's distillation). It needs only the
-  sampled tokens' log-probs from the teacher (any scoring engine, vLLM too), but its
+  sampled tokens' log-probs from the teacher, but its
   variance grows with the distance between the two: on a state where the teacher
   finds every token unlikely, every sampled token is pushed down hard.
 - ``"exact"`` (default): the teacher returns its whole log-prob row at each response
@@ -43,7 +43,7 @@ class DistillConfig(RLConfig, frozen=True, forbid_unknown_fields=True, kw_only=T
     # (0: the teacher alone; above 0 needs samples_per_prompt >= 2 to form groups).
     reward_weight: NonNegativeFloat = 0.0
     # How the reverse KL is estimated (see above): "exact" needs the teacher's whole
-    # log-prob rows (a local teacher engine), "sampled" its sampled tokens' only.
+    # log-prob rows, "sampled" its sampled tokens' log-probs only.
     distill_kl: Literal["exact", "sampled"] = "exact"
 
     def __post_init__(self) -> None:
