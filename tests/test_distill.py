@@ -143,8 +143,17 @@ BAD = {
     ),
     "no teacher": ("", "teacher"),
     "a teacher engine that scores nothing": (
-        "teacher = 'tiny-llama'\nteacher_engine = 'vllm'\n",
+        "teacher = 'tiny-llama'\nteacher_engine = 'vllm-server'\ndistill_kl = 'sampled'\n",
         "`$.trainer.teacher_engine`",
+    ),
+    "two in-process vLLM engines": (
+        "engine = 'vllm'\nteacher = 'tiny-llama'\nteacher_engine = 'vllm'\n"
+        "distill_kl = 'sampled'\n",
+        "`$.trainer.teacher_engine`",
+    ),
+    "exact KL from a vLLM teacher": (
+        "teacher = 'tiny-llama'\nteacher_engine = 'vllm'\n",
+        "`$.trainer.distill_kl`",
     ),
 }
 
@@ -212,3 +221,31 @@ def test_distilled_student_learns(tmp_path: Path) -> None:
     first, last = steps[0]["train/distill_kl"], steps[-1]["train/distill_kl"]
     assert last < first, (first, last)
     assert {"distill/reverse_kl", "perf/teacher_time_s"} <= steps[-1].keys()
+
+
+def test_a_vllm_teacher_scores_sampled_tokens(tmp_path: Path) -> None:
+    """distill_kl = "sampled" with the teacher on in-process vLLM (the student on the
+    transformers engine): two steps train on its scores, and its engine is torn down
+    before the student's."""
+    pytest.importorskip("vllm")
+    config = tmp_path / "distill.toml"
+    config.write_text(
+        f'[run]\ndir = "{tmp_path / "run"}"\nsteps = 2\n\n[log]\nprogress = "off"\n\n'
+        "[loop]\nbaseline_eval = false\neval_interval = 0\n\n[data]\nbatch_size = 2\n\n"
+        '[trainer]\nkind = "hf_distill"\nmodel = "tiny-llama"\nteacher = "tiny-llama-large"\n'
+        'teacher_engine = "vllm"\ndistill_kl = "sampled"\nsamples_per_prompt = 2\n'
+        "max_new_tokens = 4\neval_size = 4\n"
+    )
+    done = subprocess.run(
+        [sys.executable, "-m", "corun", "train", str(config)], cwd=tmp_path,
+        capture_output=True, text=True, timeout=600,
+        env={**os.environ, "PYTHONPATH": str(ROOT), "WANDB_MODE": "disabled"},
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+    steps = [r for r in read_records(tmp_path / "run" / "metrics.jsonl") if "train/loss" in r]
+    assert len(steps) == 2
+    # A random teacher and student: far apart, and the teacher's log-probs are real ones.
+    assert all(r["distill/reverse_kl"] != 0 and r["distill/teacher_logp"] < 0 for r in steps)
+    events = read_records(tmp_path / "run" / "events.jsonl")
+    order = [e["event"] for e in events if e["event"].startswith("teardown:")]
+    assert order.index("teardown:teacher") < order.index("teardown:engine"), order

@@ -28,6 +28,7 @@ import math
 import signal
 import time
 from collections.abc import Callable, Iterator
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -59,6 +60,7 @@ from tests.support.vllm_helpers import (
     assert_top_logprobs,
     hf_trainer,
     max_diff,
+    perturb,
     prompts,
     recompute,
     sampling_of,
@@ -106,6 +108,43 @@ async def test_top_logprobs(
     engine = await engines.get()
     with anyio.fail_after(60):
         await assert_top_logprobs(engine, policy, chat, sampling_of(case, chat))
+
+
+@pytest.mark.parametrize("anyio_backend", ["asyncio"])  # a vLLM start of its own
+@pytest.mark.anyio
+async def test_scores_equal_the_recomputed_logprobs(
+    engines: Engines[VLLMEngine], model_dir: Path, policy: HFPolicy, chat: ChatFormat,
+    anyio_backend: str,
+) -> None:  # fmt: skip
+    """A distillation teacher's engine (trainers/hf/distill.py, distill_kl = "sampled"):
+    started to score, vLLM's prompt log-probs of given completions, under the weights
+    it holds, equal the model's own at temperature 1; whole rows it does not return,
+    and an engine started to sample refuses to score."""
+    rows = prompts(chat)
+    sampler = await engines.get()
+    with anyio.fail_after(60):
+        generations = await sampler.generate(rows, sampling_of("full", chat), seed=1)
+        with pytest.raises(EngineError, match="not to score"):
+            await sampler.score(rows, [g.ids for g in generations])
+    await engines.release()  # one in-process engine at a time
+    perturb(policy, seed=5)  # weights of the teacher's own, loaded as corun loads them
+    scorer = await VLLMEngine.start(VLLMConfig(model=str(model_dir), scores_only=True))
+    try:
+        with anyio.fail_after(120):
+            await scorer.update_weights(policy.weights(), 0)
+            scores = await scorer.score(rows, [g.ids for g in generations])
+            with pytest.raises(EngineError, match="top-k"):
+                await scorer.distributions(rows, [g.ids for g in generations])
+    finally:
+        await scorer.shutdown()
+    assert [len(s) for s in scores] == [len(g.ids) for g in generations]
+    rollouts = to_rollouts(rows, generations, chat.pad_id)
+    scored = to_rollouts(rows, [replace(g, logprobs=s) for g, s in zip(generations, scores,
+                                                                      strict=True)],
+                         chat.pad_id)  # fmt: skip
+    mask = rollouts.response_mask.float()
+    diff = max_diff(scored.logprobs, recompute(policy, rollouts, sampling_of("full", chat)), mask)
+    assert diff < TOLERANCE, diff
 
 
 @pytest.mark.anyio

@@ -84,6 +84,9 @@ class VLLMConfig(EngineOptions, frozen=True, forbid_unknown_fields=True, kw_only
     # takes the trained weights (weight_transfer.py); None: from a file.
     weight_transfer: Literal["nccl", "ipc"] | None = None
     own_gpus: bool = False  # set by corun: on devices that are not the trainer's
+    # Set by corun: an engine that scores given tokens and samples nothing (a
+    # distillation teacher's): vLLM reports raw log-probs (temperature 1), prompts' too.
+    scores_only: bool = False
 
     @property
     def workers(self) -> int:

@@ -192,8 +192,8 @@ async def _start(
     if kind == "vllm" and ctx.config.serve.fleet and ctx.device.type == "cuda":
         transfer = "nccl"  # a fleet member takes weights from trainers' GPUs over NCCL
     own_gpus = bool(options.devices) and ctx.device.index not in options.devices
-    settings = VLLMConfig(model=str(policy.source), weight_transfer=transfer,
-                          own_gpus=own_gpus, **_fields(options))  # fmt: skip
+    settings = VLLMConfig(model=str(policy.source), weight_transfer=transfer, own_gpus=own_gpus,
+                          scores_only=role == "teacher", **_fields(options))  # fmt: skip
     if kind == "vllm":
         from corun.engines.vllm_engine import VLLMEngine
 

@@ -185,13 +185,43 @@ class VLLMEngine(DrainingEngine):
                 version = self._version
                 rows = [list(p) for p in prompts]
                 batch = await self._run(_Batch(rows, sampling, seed, _request(adapter)))
-            if isinstance(batch.problem, _Failed):
-                raise self._die(f"vLLM failed while generating: {batch.problem.message}")
-            if isinstance(batch.problem, _Rejected):
-                raise EngineError(f"vLLM rejected a prompt: {batch.problem.message}")
-            if batch.problem is not None:  # not expected: a cancelled call raises above
-                raise EngineError(f"vLLM generation {batch.problem.message}")
+            self._raise_problem(batch, "generating")
         return [_unpack(out, version, sampling) for out in batch.outputs]
+
+    async def score(
+        self, prompts: Sequence[Sequence[int]], completions: Sequence[Sequence[int]]
+    ) -> list[list[float]]:
+        """Each completion token's log-prob (temperature 1): vLLM's prompt log-probs of
+        the prompt and completion together, one token generated and dropped. Only an
+        engine started to score (``VLLMConfig.scores_only``) reports them."""
+        if not self._config.scores_only:
+            raise EngineError("this vLLM engine was started to sample, not to score")
+        self._check()
+        if self._asleep:
+            raise EngineError("vLLM is asleep (colocated: the trainer is stepping)")
+        await anyio.lowlevel.checkpoint_if_cancelled()  # see generate
+        async with self._admission.generation():
+            self._check()
+            with self._adapters.using() as adapter:
+                rows = [[*p, *c] for p, c in zip(prompts, completions, strict=True)]
+                scoring = _Batch(rows, SCORING, 0, _request(adapter), scoring=True)
+                batch = await self._run(scoring)
+            self._raise_problem(batch, "scoring")
+        return [_prompt_scores(out, len(c)) for out, c in zip(batch.outputs, completions,
+                                                               strict=True)]  # fmt: skip
+
+    async def distributions(
+        self, prompts: Sequence[Sequence[int]], completions: Sequence[Sequence[int]]
+    ) -> list[Tensor]:
+        raise EngineError("vLLM returns top-k log-probs only, not whole rows")
+
+    def _raise_problem(self, batch: _Batch, doing: str) -> None:
+        if isinstance(batch.problem, _Failed):
+            raise self._die(f"vLLM failed while {doing}: {batch.problem.message}")
+        if isinstance(batch.problem, _Rejected):
+            raise EngineError(f"vLLM rejected a prompt: {batch.problem.message}")
+        if batch.problem is not None:  # not expected: a cancelled call raises above
+            raise EngineError(f"vLLM {doing} {batch.problem.message}")
 
     async def update_weights(self, state: Mapping[str, Tensor], version: int) -> None:
         """Reload every weight in place, then drop the prefix cache (its KV entries were
@@ -399,9 +429,12 @@ class VLLMEngine(DrainingEngine):
         batch.outputs, batch.left = [None] * len(batch.prompts), len(batch.prompts)
         try:
             for i, prompt in enumerate(batch.prompts):
+                # Scoring: the prompt's own log-probs (0 extra: the token's only), raw.
+                fields = ({"max_tokens": 1, "prompt_logprobs": 0} if batch.scoring
+                          else sampling_fields(sampling, batch.seed, i))  # fmt: skip
                 params = SamplingParams(
-                    **sampling_fields(sampling, batch.seed, i), extra_args=extra,
-                    detokenize=False, output_kind=RequestOutputKind.FINAL_ONLY,
+                    **fields, extra_args=extra, detokenize=False,
+                    output_kind=RequestOutputKind.FINAL_ONLY,
                 )  # fmt: skip
                 name = f"corun-{next(self._ids)}"
                 tokens = TokensPrompt(prompt_token_ids=prompt)
@@ -421,7 +454,7 @@ class VLLMEngine(DrainingEngine):
             if owner is None:
                 continue
             batch, index = owner
-            batch.outputs[index] = output.outputs[0]
+            batch.outputs[index] = output if batch.scoring else output.outputs[0]
             batch.left -= 1
             if batch.left == 0:
                 self._settle(batch)
@@ -507,6 +540,7 @@ class _Batch:
     settled: bool = False  # nothing of it is left in vLLM (under the engine's lock)
     claimed: bool = False  # its caller has it, or left (under the engine's lock)
     problem: _Problem | None = None
+    scoring: bool = False  # a score call's: outputs are vLLM's RequestOutputs
 
 
 class _Problem(Exception):
@@ -550,6 +584,16 @@ def _unpack(out: Any, version: int, sampling: Sampling) -> Generation:
     return generation
 
 
+SCORING = Sampling(max_tokens=1)  # a score call's (its requests' fields are their own)
+
+
+def _prompt_scores(out: Any, count: int) -> list[float]:
+    """The log-probs vLLM reports for the last ``count`` tokens of a scored prompt."""
+    ids, steps = list(out.prompt_token_ids), list(out.prompt_logprobs)
+    first = len(ids) - count
+    return [float(steps[i][ids[i]].logprob) for i in range(first, len(ids))]
+
+
 def _abort(engine: Any, internal_ids: list[str]) -> None:
     try:
         engine.abort_request(internal_ids, internal=True)
@@ -576,6 +620,8 @@ def _build(config: VLLMConfig) -> Any:
         "generation_config": "vllm", "disable_log_stats": True,
         "use_tqdm_on_load": False,  # a progress bar on stderr at every start
     }  # fmt: skip
+    if config.scores_only:  # prompt log-probs under processed_logits would be logits
+        kwargs.update(logprobs_mode="raw_logprobs", logits_processors=[])
     if config.max_model_len is not None:
         kwargs["max_model_len"] = config.max_model_len
     if config.weight_transfer is not None:  # a fleet member on CUDA (transfer_step)

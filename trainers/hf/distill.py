@@ -50,10 +50,21 @@ class HFDistillSettings(HFSettings, frozen=True, kw_only=True):
 def check_distill_config(config: Any) -> None:
     check_hf_config(config)
     check_engine(config.teacher_engine, config.teacher_engine_options, False, TEACHER_OPTIONS)
-    if config.teacher_engine != "local":
+    if config.teacher_engine in ("vllm-server", "remote"):
         raise ValueError(
             f"`$.teacher_engine` = {config.teacher_engine!r}: only the local (transformers) "
-            'engine scores tokens yet; use teacher_engine = "local"'
+            'and the in-process vLLM engines score tokens yet'
+        )
+    if config.teacher_engine == "vllm" == config.engine:
+        raise ValueError(
+            '`$.teacher_engine` = "vllm": the student\'s engine is in-process vLLM too, and a '
+            'process holds one; put the student on "local" or "vllm-server"'
+        )
+    if config.distill_kl == "exact" and config.teacher_engine != "local":
+        raise ValueError(
+            f'`$.distill_kl` = "exact": the {config.teacher_engine!r} teacher engine returns '
+            'top-k log-probs only, not whole rows; use teacher_engine = "local" or '
+            'distill_kl = "sampled"'
         )
 
 
