@@ -49,6 +49,7 @@ SUITES = {  # name: the module (benchmarks/<module>.py) whose `suite` it is
     "peers": "peers",
     "generation": "generation",
     "distill": "distill",
+    "tinker_models": "tinker_models",
 }
 GRIDS = ("full", "quick", "tiny")
 EXIT_USAGE, EXIT_INTERRUPTED = 2, 130
