@@ -284,6 +284,34 @@ def test_futures_awaited_together_on_asyncio(server: TinkerProcess) -> None:
     asyncio.run(main())
 
 
+def test_a_busy_model_does_not_starve_another(server: TinkerProcess) -> None:
+    """Twelve requests queued for one model, then one for another model on the same
+    base: the lane holds one call per model at a time, so the other's runs after at most
+    the busy model's running call and its next, not after all twelve."""
+
+    async def main() -> list[str]:
+        service = tinker.ServiceClient(base_url=server.url, api_key=API_KEY)
+        busy = await service.create_lora_training_client(base_model=server.model_dir, rank=8)
+        other = await service.create_lora_training_client(base_model=server.model_dir, rank=8)
+        tokenizer = busy.get_tokenizer()
+        data = [_chat(tokenizer, f"{a}+2=?", str(a + 2)) for a in range(1, 9)]
+        finished: list[str] = []
+
+        async def done(name: str, future: Any) -> None:
+            await future
+            finished.append(name)
+
+        waits = [done(f"busy-{i}", busy.forward_backward(data, "cross_entropy"))
+                 for i in range(12)]  # fmt: skip
+        waits.append(done("other", other.forward_backward(data, "cross_entropy")))
+        await asyncio.wait_for(asyncio.gather(*waits), 120)
+        await service.close("success")
+        return finished
+
+    finished = asyncio.run(main())
+    assert finished.index("other") <= 3, finished
+
+
 def _raw_forward_backward(url: str, model_id: str, seq_id: int, datum: pb.Datum) -> str:
     """A forward-backward request written by hand, and its future's error (if any)."""
     request = pb.ForwardBackwardRequest(model_id=model_id, seq_id=seq_id, loss_fn="cross_entropy")
