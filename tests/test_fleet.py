@@ -265,3 +265,60 @@ async def test_an_episodes_next_turn_goes_back_to_its_member(fleet: list[Server]
         served_second.busy -= 5
         assert served_second.served == 3
         assert sum(m.served for m in engine.members) == 4
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize("anyio_backend", ["asyncio"])  # the fleet's calls: trio above
+async def test_a_fleet_scores_for_a_distillation_teacher(
+    tmp_path: Path, fleet: list[Server], anyio_backend: str
+) -> None:
+    """``/score`` on the members (local engines): the teacher's log-probs of given
+    completions equal the model's own; whole rows are refused in one line; and
+    ``hf_distill`` with ``teacher_engine = "remote"`` trains on the fleet's scores
+    (its start loads the teacher's weights into the members)."""
+    import anyio
+    import torch
+
+    from corun.contract.engine import Generation, ScoringRefused
+    from corun.engines.fleet import FleetEngine
+    from trainers.hf.policy import ChatFormat, load_policy
+    from trainers.hf.rl import to_rollouts
+    from trainers.hf.tasks import eval_problems
+    from trainers.lm.policy import rollout_logprobs
+
+    policy, tokenizer = load_policy("tiny-llama", "the members' model")
+    chat = ChatFormat(tokenizer)
+    prompts = [chat.encode(e.prompt) for e in eval_problems(4)]
+    replies = [[20, 21, 2], [22, 2], [23, 24, 25, 2], [2]]
+    with anyio.fail_after(120):
+        engine = await FleetEngine.connect(
+            [s.url for s in fleet], request_timeout_s=60, fleet_timeout_s=10, bucket_mb=64
+        )
+        scores = await engine.score(prompts, replies)
+        with pytest.raises(ScoringRefused, match="whole rows"):
+            await engine.distributions(prompts, replies)
+    generations = [Generation(r, [0.0] * len(r), [0] * len(r), "stop") for r in replies]
+    with torch.no_grad():
+        recomputed, _, _ = rollout_logprobs(policy, to_rollouts(prompts, generations, 0), 1.0)
+    for row, score in enumerate(scores):
+        assert len(score) == len(replies[row])
+        torch.testing.assert_close(torch.tensor(score), recomputed[row, : len(score)],
+                                   atol=1e-5, rtol=0)  # fmt: skip
+    urls = ", ".join(f'"{s.url}"' for s in fleet)
+    config = tmp_path / "distill.toml"
+    config.write_text(
+        f'[run]\ndir = "{tmp_path / "run"}"\nsteps = 2\n\n[log]\nprogress = "off"\n\n'
+        "[loop]\nbaseline_eval = false\neval_interval = 0\n\n[data]\nbatch_size = 2\n\n"
+        '[trainer]\nkind = "hf_distill"\nmodel = "tiny-llama"\nteacher = "tiny-llama"\n'
+        'teacher_engine = "remote"\ndistill_kl = "sampled"\nsamples_per_prompt = 2\n'
+        "max_new_tokens = 4\neval_size = 4\n\n"
+        f"[trainer.teacher_engine_options]\nurls = [{urls}]\n"
+    )
+    with anyio.fail_after(300):
+        done = await anyio.run_process(
+            [sys.executable, "-m", "corun", "train", str(config)], cwd=tmp_path, env=ENV,
+            check=False,
+        )  # fmt: skip
+    assert done.returncode == 0, done.stderr.decode()[-3000:]
+    steps = [r for r in read_records(tmp_path / "run" / "metrics.jsonl") if "train/loss" in r]
+    assert len(steps) == 2 and all("distill/reverse_kl" in r for r in steps)

@@ -79,6 +79,11 @@ class EngineError(RuntimeError):
     """The engine failed or died; the run fails with this message, one line."""
 
 
+class ScoringRefused(EngineError):
+    """The engine does not score tokens (it was started to sample, or scores only the
+    sampled tokens where whole rows were asked for); it is still usable."""
+
+
 class Engine(Protocol):
     """A rollout engine. ``version`` is the policy version of its weights."""
 

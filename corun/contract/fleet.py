@@ -69,6 +69,17 @@ class GenerateReply(msgspec.Struct, frozen=True):
     generations: list[WireGeneration]
 
 
+class ScoreRequest(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """``/score``: each completion's tokens scored after its prompt (a teacher's)."""
+
+    prompts: list[list[int]]
+    completions: list[list[int]]
+
+
+class ScoreReply(msgspec.Struct, frozen=True):
+    scores: list[list[float]]
+
+
 class Health(msgspec.Struct, frozen=True):
     version: int
     # "nccl": the member also takes weights through vLLM's weight-transfer API from a

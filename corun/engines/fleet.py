@@ -37,7 +37,7 @@ import time
 from collections import OrderedDict
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
 import anyio
 import anyio.to_thread
@@ -46,19 +46,23 @@ import msgspec
 import torch
 from torch import Tensor
 
-from corun.contract.engine import EngineError, Generation, Sampling
+from corun.contract.engine import EngineError, Generation, Sampling, ScoringRefused
 from corun.contract.fleet import (
     Commit,
     Fingerprint,
     GenerateReply,
     GenerateRequest,
     Health,
+    ScoreReply,
+    ScoreRequest,
     WireSampling,
     buckets,
     pack,
 )
 from corun.engines.vllm_common import one_line
 from corun.engines.weight_transfer import DeviceTransfer, FleetSyncClient, address_towards
+
+R = TypeVar("R")
 
 log = logging.getLogger("corun.fleet")
 PROBE_S = 1.0  # between probes of dropped members while none serves
@@ -127,18 +131,43 @@ class FleetEngine:
     ) -> list[Generation]:
         body = GenerateRequest([list(p) for p in prompts], WireSampling.of(sampling), seed)
         first = tuple(prompts[0][:AFFINITY_TOKENS]) if prompts else ()
+        reply = await self._on_a_member("/generate", GenerateReply, body, "generation", first)
+        return [g.generation() for g in reply.generations]
+
+    async def score(
+        self, prompts: Sequence[Sequence[int]], completions: Sequence[Sequence[int]]
+    ) -> list[list[float]]:
+        """A distillation teacher's scores, from the least busy member (whose engine
+        must score: a local one; a member's vLLM samples only, which it refuses)."""
+        body = ScoreRequest([list(p) for p in prompts], [list(c) for c in completions])
+        reply = await self._on_a_member("/score", ScoreReply, body, "scoring")
+        return list(reply.scores)
+
+    async def distributions(
+        self, prompts: Sequence[Sequence[int]], completions: Sequence[Sequence[int]]
+    ) -> list[Tensor]:
+        raise ScoringRefused("a fleet returns the sampled tokens' scores only, not whole rows")
+
+    async def _on_a_member(
+        self, path: str, reply_type: type[R], body: Any, what: str,
+        first: tuple[int, ...] = (),
+    ) -> R:  # fmt: skip
+        """``body`` to ``path`` on a member — the one that served the call this one
+        continues (``first``, its first prompt's start), else the least busy — and on
+        another when it fails (it is dropped)."""
         while True:
-            member = self._follows(first)
+            member = self._follows(first) if first else None
             if member is None or member not in self._live():
                 member = await self._least_busy()
-            self._remember(first, member)
+            if first:
+                self._remember(first, member)
             member.busy += 1
             try:
-                reply = await self._call(member, "POST", "/generate", GenerateReply, body)
+                reply: R = await self._call(member, "POST", path, reply_type, body)
                 member.served += 1
-                return [g.generation() for g in reply.generations]
+                return reply
             except _Failed as exc:
-                self._drop(member, f"generation failed ({exc}); retried on another")
+                self._drop(member, f"{what} failed ({exc}); retried on another")
                 self.counts["retried"] += 1
             finally:
                 member.busy -= 1

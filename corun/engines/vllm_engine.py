@@ -86,6 +86,7 @@ from corun.contract.engine import (
     Finish,
     Generation,
     Sampling,
+    ScoringRefused,
     TransferTarget,
 )
 from corun.engines.lora import require_lora
@@ -195,7 +196,7 @@ class VLLMEngine(DrainingEngine):
         the prompt and completion together, one token generated and dropped. Only an
         engine started to score (``VLLMConfig.scores_only``) reports them."""
         if not self._config.scores_only:
-            raise EngineError("this vLLM engine was started to sample, not to score")
+            raise ScoringRefused("this vLLM engine was started to sample, not to score")
         self._check()
         if self._asleep:
             raise EngineError("vLLM is asleep (colocated: the trainer is stepping)")
@@ -213,7 +214,7 @@ class VLLMEngine(DrainingEngine):
     async def distributions(
         self, prompts: Sequence[Sequence[int]], completions: Sequence[Sequence[int]]
     ) -> list[Tensor]:
-        raise EngineError("vLLM returns top-k log-probs only, not whole rows")
+        raise ScoringRefused("vLLM returns top-k log-probs only, not whole rows")
 
     def _raise_problem(self, batch: _Batch, doing: str) -> None:
         if isinstance(batch.problem, _Failed):

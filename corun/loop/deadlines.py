@@ -55,6 +55,7 @@ from corun.contract.engine import (
     Generation,
     Sampling,
     ScoringEngine,
+    ScoringRefused,
     SleepingEngine,
     engine_metrics,
 )
@@ -106,7 +107,7 @@ class BoundedEngine:
     ) -> list[list[float]]:
         inner = self._live()
         if not isinstance(inner, ScoringEngine):
-            raise EngineError(f"{self.name} does not score tokens")
+            raise ScoringRefused(f"{self.name} does not score tokens")
         with self._request("scoring"):
             return await inner.score(prompts, completions)
 
@@ -115,7 +116,7 @@ class BoundedEngine:
     ) -> list[Tensor]:
         inner = self._live()
         if not isinstance(inner, ScoringEngine):
-            raise EngineError(f"{self.name} does not score tokens")
+            raise ScoringRefused(f"{self.name} does not score tokens")
         with self._request("scoring"):
             return await inner.distributions(prompts, completions)
 

@@ -28,7 +28,13 @@ from starlette.routing import Route
 from torch import Tensor
 
 from corun.base.config import ServeConfig
-from corun.contract.engine import Engine, EngineError, TransferEngine
+from corun.contract.engine import (
+    Engine,
+    EngineError,
+    ScoringEngine,
+    ScoringRefused,
+    TransferEngine,
+)
 from corun.contract.fleet import (
     TRANSFER_STEPS,
     Commit,
@@ -36,6 +42,8 @@ from corun.contract.fleet import (
     GenerateReply,
     GenerateRequest,
     Health,
+    ScoreReply,
+    ScoreRequest,
     WireGeneration,
     unpack,
 )
@@ -69,6 +77,8 @@ class EngineServer(HTTPService):
                     body = await handler(request)
                 except _Refused as exc:
                     return JSONResponse({"error": str(exc)}, status_code=exc.status)
+                except ScoringRefused as exc:  # asked of an engine that cannot: not a failure
+                    return JSONResponse({"error": str(exc)}, status_code=409)
                 except EngineError as exc:  # the engine failed: the fleet drops this member
                     return JSONResponse({"error": str(exc)}, status_code=503)
                 return Response(msgspec.json.encode(body), media_type="application/json")
@@ -78,6 +88,7 @@ class EngineServer(HTTPService):
         self.app = Starlette(routes=[
             route("/health", self.health, "GET"),
             route("/generate", self.generate, "POST"),
+            route("/score", self.score, "POST"),
             route("/weights/{version:int}/bucket", self.bucket, "POST"),
             route("/weights/{version:int}/commit", self.commit, "POST"),
             route("/fingerprint", self.fingerprint, "GET"),
@@ -95,6 +106,16 @@ class EngineServer(HTTPService):
         asked = await _decode(request, GenerateRequest)
         made = await self.engine.generate(asked.prompts, asked.sampling.sampling(), asked.seed)
         return GenerateReply([WireGeneration.of(g) for g in made])
+
+    async def score(self, request: Request) -> ScoreReply:
+        asked = await _decode(request, ScoreRequest)
+        if len(asked.prompts) != len(asked.completions):
+            raise _Refused(400, f"{len(asked.prompts)} prompts, {len(asked.completions)} "
+                                "completions: one each")  # fmt: skip
+        engine = self.engine
+        if not isinstance(engine, ScoringEngine):
+            raise _Refused(409, "this member's engine does not score tokens")
+        return ScoreReply(await engine.score(asked.prompts, asked.completions))
 
     async def bucket(self, request: Request) -> dict[str, int]:
         version = int(request.path_params["version"])

@@ -50,10 +50,10 @@ class HFDistillSettings(HFSettings, frozen=True, kw_only=True):
 def check_distill_config(config: Any) -> None:
     check_hf_config(config)
     check_engine(config.teacher_engine, config.teacher_engine_options, False, TEACHER_OPTIONS)
-    if config.teacher_engine in ("vllm-server", "remote"):
+    if config.teacher_engine == "vllm-server":
         raise ValueError(
-            f"`$.teacher_engine` = {config.teacher_engine!r}: only the local (transformers) "
-            'and the in-process vLLM engines score tokens yet'
+            '`$.teacher_engine` = "vllm-server": a vLLM server does not score tokens yet; '
+            'use "local", "vllm" (in process) or "remote" (a fleet of local engines)'
         )
     if config.teacher_engine == "vllm" == config.engine:
         raise ValueError(
@@ -63,8 +63,8 @@ def check_distill_config(config: Any) -> None:
     if config.distill_kl == "exact" and config.teacher_engine != "local":
         raise ValueError(
             f'`$.distill_kl` = "exact": the {config.teacher_engine!r} teacher engine returns '
-            'top-k log-probs only, not whole rows; use teacher_engine = "local" or '
-            'distill_kl = "sampled"'
+            'the sampled tokens\' scores only, not whole rows; use teacher_engine = "local" '
+            'or distill_kl = "sampled"'
         )
 
 
