@@ -344,8 +344,14 @@ def test_bad_requests_are_user_errors_and_the_server_goes_on(
     service: tinker.ServiceClient, server: TinkerProcess
 ) -> None:
     client = service.create_lora_training_client(base_model=server.model_dir, rank=2).result()
+    # Another model on the same base, mid-training: the first one's refusals touch
+    # nothing of its state (its loss after them is bitwise the one before).
+    bystander = service.create_lora_training_client(base_model=server.model_dir, rank=2).result()
     tokenizer = client.get_tokenizer()
     good = _chat(tokenizer, "1+1=?", "2")
+    bystander.forward_backward([good], "cross_entropy").result()
+    bystander.optim_step(types.AdamParams(learning_rate=1e-2)).result()
+    bystanding = bystander.forward([good], "cross_entropy").result().metrics["loss:sum"]
     bad_shape = types.Datum(model_input=good.model_input, loss_fn_inputs={
         "target_tokens": good.loss_fn_inputs["target_tokens"].tolist()[:-1],
         "weights": good.loss_fn_inputs["weights"].tolist()[:-1],
@@ -369,6 +375,7 @@ def test_bad_requests_are_user_errors_and_the_server_goes_on(
         service.create_lora_training_client(base_model="Qwen/Qwen3-8B", rank=8).result()
     # The client goes on after its refusals: its next request runs.
     assert client.forward_backward([good], "cross_entropy").result().metrics["loss:sum"] > 0
+    assert bystander.forward([good], "cross_entropy").result().metrics["loss:sum"] == bystanding
 
     model_id = client.model_id  # its requests so far: seq_id 1 to 5
     tokens = np.asarray(good.model_input.to_ints(), "<i4")
