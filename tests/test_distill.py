@@ -249,3 +249,29 @@ def test_a_vllm_teacher_scores_sampled_tokens(tmp_path: Path) -> None:
     events = read_records(tmp_path / "run" / "events.jsonl")
     order = [e["event"] for e in events if e["event"].startswith("teardown:")]
     assert order.index("teardown:teacher") < order.index("teardown:engine"), order
+
+
+def test_async_distillation_runs_the_teacher_on_its_own_lane(tmp_path: Path) -> None:
+    """loop.concurrency = 2: rollouts (generation, then the teacher's scoring) run ahead
+    of the update on lanes of their own, the student's engine and the teacher's each
+    on its own; every step trains on scored batches (up to a version stale)."""
+    config = tmp_path / "distill.toml"
+    config.write_text(
+        f'[run]\ndir = "{tmp_path / "run"}"\nsteps = 6\n\n[log]\nprogress = "off"\n\n'
+        "[loop]\nconcurrency = 2\nmax_staleness = 1\nbaseline_eval = false\n"
+        "eval_interval = 0\n\n[data]\nbatch_size = 4\n\n"
+        '[trainer]\nkind = "hf_distill"\nmodel = "tiny-llama"\nteacher = "tiny-llama-large"\n'
+        "samples_per_prompt = 1\nmax_new_tokens = 4\neval_size = 4\n"
+    )
+    done = subprocess.run(
+        [sys.executable, "-m", "corun", "train", str(config)], cwd=tmp_path,
+        capture_output=True, text=True, timeout=600,
+        env={**os.environ, "PYTHONPATH": str(ROOT), "WANDB_MODE": "disabled"},
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+    steps = [r for r in read_records(tmp_path / "run" / "metrics.jsonl") if "train/loss" in r]
+    assert [r["step"] for r in steps] == list(range(1, 7))
+    assert all("train/distill_kl" in r and r["perf/teacher_time_s"] > 0 for r in steps)
+    events = read_records(tmp_path / "run" / "events.jsonl")
+    order = [e["event"] for e in events if e["event"].startswith("teardown:")]
+    assert order.index("teardown:teacher") < order.index("teardown:engine"), order
