@@ -271,3 +271,20 @@ async def test_members_gone_between_the_sync_and_its_fingerprint_fail_at_the_dea
         with pytest.raises(EngineError, match=gone):
             await fleet.fingerprint()
     assert time.monotonic() - started >= 1.5
+
+
+def test_every_sampling_setting_travels_to_a_member() -> None:
+    """A generation's Sampling crosses the wire whole: every field of it (those added
+    later too) survives the round trip through WireSampling and its JSON."""
+    import dataclasses
+
+    import msgspec
+
+    from corun.contract.engine import Sampling
+    from corun.contract.fleet import WireSampling
+
+    sampling = Sampling(max_tokens=7, temperature=0.5, top_p=0.9, stop_ids=(2, 3), top_k=5)
+    wire = msgspec.json.decode(msgspec.json.encode(WireSampling.of(sampling)), type=WireSampling)
+    assert wire.sampling() == sampling
+    names = {f.name for f in dataclasses.fields(Sampling)}
+    assert names == set(WireSampling.__struct_fields__)

@@ -34,6 +34,7 @@ class WireSampling(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     top_p: float = 1.0
     stop_ids: list[int] = msgspec.field(default_factory=list)
     top_logprobs: int = 0
+    top_k: int = 0
 
     def sampling(self) -> Sampling:
         fields = msgspec.structs.asdict(self)
