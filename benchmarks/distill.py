@@ -29,9 +29,8 @@ import tomli_w
 
 from benchmarks.peers import ENV, training_curve
 from benchmarks.report import Note, Table, fmt
+from corun.recipes import shipped
 from corun.records.events import read_records
-
-CONFIGS = Path(__file__).resolve().parents[1] / "configs"
 
 
 @dataclass(frozen=True)
@@ -51,11 +50,13 @@ GRIDS = {
 
 
 def recipe(scratch: Path, name: str, steps: int | None) -> Path:
-    """The shipped recipe ``name``, or a copy of it under ``scratch`` cut to ``steps``."""
-    shipped = CONFIGS / f"{name}.toml"
+    """The shipped recipe ``name`` (a checkout's configs/, or the installed package's),
+    or a copy of it under ``scratch`` cut to ``steps``."""
+    found = shipped(name)
+    assert found is not None, f"no shipped recipe {name}"
     if steps is None:
-        return shipped
-    config = tomllib.loads(shipped.read_text())
+        return found
+    config = tomllib.loads(found.read_text())
     config["run"]["steps"] = steps
     config["loop"].update(eval_interval=steps, save_interval=steps, lr_schedule="constant")
     config["trainer"]["eval_size"] = min(config["trainer"].get("eval_size", 512), 64)
@@ -68,8 +69,8 @@ def train(scratch: Path, name: str, overrides: list[str]) -> Path:
     """``corun train`` of a shipped recipe in ``scratch`` (its warm starts trained there
     first); its run directory."""
     out = scratch / f"bench-{name}"
-    command = [sys.executable, "-m", "corun", "train", str(CONFIGS / f"{name}.toml"),
-               f"run.dir={out}", "log.progress=off", *overrides]  # fmt: skip
+    command = [sys.executable, "-m", "corun", "train", name, f"run.dir={out}",
+               "log.progress=off", *overrides]  # fmt: skip
     done = subprocess.run(command, cwd=scratch, env=ENV, capture_output=True, text=True)
     if done.returncode != 0:
         raise RuntimeError(f"corun train {name} exited {done.returncode}:\n{done.stderr[-3000:]}")

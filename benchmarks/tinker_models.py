@@ -1,7 +1,7 @@
 """``corun bench tinker_models``: many Tinker models on one base — step latency and
 memory at 1, 4 and 16 models.
 
-Each count is a fresh process (``python -m benchmarks.tinker_models job ...``) that
+Each count is a fresh process (``python -m benchmarks.tinker_models_job ...``) that
 loads the base once and makes that many rank-8 LoRA models on it, as ``corun serve
 tinker`` does (trainers/hf/tinker.py's ``HFTrainingModel``: every model holds the
 base's tensors themselves), then trains them round-robin: each model a
@@ -24,11 +24,9 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
 import subprocess
 import sys
-import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -54,50 +52,9 @@ GRIDS = {
 }
 
 
-def job(model: str, count: int, rounds: int) -> dict[str, Any]:
-    """In this process: ``count`` models on the base ``model``, ``rounds`` timed rounds."""
-    import torch
-
-    from corun.contract.training_api import AdamStep, Datum, LoraShape, ModelInfo
-    from trainers.hf.policy import load_policy
-    from trainers.hf.tinker import HFTrainingModel
-
-    base, tokenizer = load_policy(model, "the base")
-    info = ModelInfo("base", RANK, str(base.source), TOKENS + 1)
-    generator = torch.Generator().manual_seed(0)
-    ids = torch.randint(3, len(tokenizer), (ROWS, TOKENS + 1), generator=generator)
-    data = [Datum(row[:-1].tolist(), {"target_tokens": row[1:], "weights": torch.ones(TOKENS)})
-            for row in ids]  # fmt: skip
-    models = [HFTrainingModel(base, info, LoraShape(rank=RANK), seed) for seed in range(count)]
-    times: list[float] = []
-    for round_index in range(rounds + 1):
-        for each in models:
-            started = time.perf_counter()
-            each.forward_backward(data, "cross_entropy", {}, backward=True)
-            each.optim_step(AdamStep(learning_rate=1e-4))
-            if round_index:  # the first round warms up (allocations, the optimizer state)
-                times.append(time.perf_counter() - started)
-    held = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes()
-            for each in models for t in tensors(each)}  # fmt: skip
-    return {"step_ms": sorted(1000 * t for t in times), "tensor_mib": sum(held.values()) / 2**20,
-            "rss_mib": resident_mib()}  # fmt: skip
-
-
-def tensors(model: Any) -> list[Any]:
-    """A model's tensors: its weights and its optimizer's state."""
-    state = [v for s in model.optimizer.state.values() for v in s.values() if hasattr(v, "shape")]
-    return [*model.policy.parameters(), *model.policy.buffers(), *state]
-
-
-def resident_mib() -> float:
-    with open("/proc/self/statm") as statm:
-        pages = int(statm.read().split()[1])
-    return pages * os.sysconf("SC_PAGE_SIZE") / 2**20
-
-
 def run_job(model: str, count: int, rounds: int) -> dict[str, Any]:
-    """:func:`job` in a fresh process (its resident size its own)."""
-    command = [sys.executable, "-m", "benchmarks.tinker_models", "job", model, str(count),
+    """benchmarks/tinker_models_job.py in a fresh process (its resident size its own)."""
+    command = [sys.executable, "-m", "benchmarks.tinker_models_job", model, str(count),
                str(rounds)]  # fmt: skip
     done = subprocess.run(command, env=ENV, capture_output=True, text=True)
     if done.returncode != 0:
@@ -137,16 +94,8 @@ def suite(grid_name: str, scratch: Path, note: Note) -> list[Table]:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    commands = parser.add_subparsers(dest="command")
-    one = commands.add_parser("job")
-    one.add_argument("model")
-    one.add_argument("count", type=int)
-    one.add_argument("rounds", type=int)
     parser.add_argument("--quick", action="store_true")
     args = parser.parse_args(argv)
-    if args.command == "job":
-        print(json.dumps(job(args.model, args.count, args.rounds)))
-        return 0
     return subprocess.call([sys.executable, "-m", "corun", "bench", "tinker_models",
                             *(["--quick"] if args.quick else [])])  # fmt: skip
 
