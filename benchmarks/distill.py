@@ -17,18 +17,17 @@ Nothing is asserted; measure on a quiet machine.
 
 from __future__ import annotations
 
-import argparse
 import subprocess
 import sys
 import tomllib
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 import tomli_w
 
 from benchmarks.peers import ENV, training_curve
 from benchmarks.report import Note, Table, fmt
+from benchmarks.suite import main_of
 from corun.recipes import shipped
 from corun.records.events import read_records
 
@@ -139,13 +138,5 @@ def figures_table(
                  notes)  # fmt: skip
 
 
-def main(argv: Any = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true")
-    args = parser.parse_args(argv)
-    return subprocess.call([sys.executable, "-m", "corun", "bench", "distill",
-                            *(["--quick"] if args.quick else [])])  # fmt: skip
-
-
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(main_of("distill", __doc__.splitlines()[0]))

@@ -18,6 +18,7 @@ import argparse
 import importlib
 import os
 import signal
+import subprocess
 import sys
 import tempfile
 import time
@@ -66,6 +67,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--out", metavar="DIR", help="the report's folder "
                         "(default runs/bench-<timestamp>)")  # fmt: skip
     parser.add_argument("--grid", choices=GRIDS, help=argparse.SUPPRESS)  # "tiny": the test's
+
+
+def main_of(name: str, description: str, argv: list[str] | None = None) -> int:
+    """A suite module's ``python -m benchmarks.<module> [--quick]``: ``corun bench name``."""
+    parser = argparse.ArgumentParser(description=description)
+    parser.add_argument("--quick", action="store_true")
+    args = parser.parse_args(argv)
+    return subprocess.call([sys.executable, "-m", "corun", "bench", name,
+                            *(["--quick"] if args.quick else [])])  # fmt: skip
 
 
 def suite(name: str) -> Suite:

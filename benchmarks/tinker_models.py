@@ -22,7 +22,6 @@ are the backend's, in process: the HTTP protocol adds its fixed ~10 ms per call 
 
 from __future__ import annotations
 
-import argparse
 import json
 import statistics
 import subprocess
@@ -33,6 +32,7 @@ from typing import Any
 
 from benchmarks.peers import BIG, ENV, SMALLER, Shape, big_model
 from benchmarks.report import Note, Table, fmt
+from benchmarks.suite import main_of
 
 COUNTS = (1, 4, 16)
 RANK, ROWS, TOKENS = 8, 8, 64
@@ -92,13 +92,5 @@ def suite(grid_name: str, scratch: Path, note: Note) -> list[Table]:
                   ratios, "one model's resident size", notes)]  # fmt: skip
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true")
-    args = parser.parse_args(argv)
-    return subprocess.call([sys.executable, "-m", "corun", "bench", "tinker_models",
-                            *(["--quick"] if args.quick else [])])  # fmt: skip
-
-
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(main_of("tinker_models", __doc__.splitlines()[0]))

@@ -10,6 +10,7 @@ import os
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import anyio
 import pytest
@@ -172,6 +173,7 @@ def test_bad_settings_are_one_line_and_exit_2(
         '[data]\nbatch_size = 2\n\n[trainer]\nkind = "hf_distill"\nmodel = "tiny-llama"\n'
         f"eval_size = 4\n{settings}"
     )
+    capsys.readouterr()  # the other model's build writes a progress bar: not the run's
     code, _, err = call_main(["train", str(config)], capsys)
     assert_usage_error(code, err, place)
     assert not (tmp_path / "run" / "checkpoints").exists()
@@ -236,19 +238,11 @@ def test_a_vllm_teacher_scores_sampled_tokens(tmp_path: Path) -> None:
         'teacher_engine = "vllm"\ndistill_kl = "sampled"\nsamples_per_prompt = 2\n'
         "max_new_tokens = 4\neval_size = 4\n"
     )
-    done = subprocess.run(
-        [sys.executable, "-m", "corun", "train", str(config)], cwd=tmp_path,
-        capture_output=True, text=True, timeout=600,
-        env={**os.environ, "PYTHONPATH": str(ROOT), "WANDB_MODE": "disabled"},
-    )  # fmt: skip
-    assert done.returncode == 0, done.stderr[-3000:]
-    steps = [r for r in read_records(tmp_path / "run" / "metrics.jsonl") if "train/loss" in r]
+    steps = _trained_steps(tmp_path, config)
     assert len(steps) == 2
     # A random teacher and student: far apart, and the teacher's log-probs are real ones.
     assert all(r["distill/reverse_kl"] != 0 and r["distill/teacher_logp"] < 0 for r in steps)
-    events = read_records(tmp_path / "run" / "events.jsonl")
-    order = [e["event"] for e in events if e["event"].startswith("teardown:")]
-    assert order.index("teardown:teacher") < order.index("teardown:engine"), order
+    _assert_teacher_torn_down_first(tmp_path)
 
 
 def test_async_distillation_runs_the_teacher_on_its_own_lane(tmp_path: Path) -> None:
@@ -263,15 +257,24 @@ def test_async_distillation_runs_the_teacher_on_its_own_lane(tmp_path: Path) -> 
         '[trainer]\nkind = "hf_distill"\nmodel = "tiny-llama"\nteacher = "tiny-llama-large"\n'
         "samples_per_prompt = 1\nmax_new_tokens = 4\neval_size = 4\n"
     )
+    steps = _trained_steps(tmp_path, config)
+    assert [r["step"] for r in steps] == list(range(1, 7))
+    assert all("train/distill_kl" in r and r["perf/teacher_time_s"] > 0 for r in steps)
+    _assert_teacher_torn_down_first(tmp_path)
+
+
+def _trained_steps(tmp_path: Path, config: Path) -> list[dict[str, Any]]:
+    """``corun train config`` (its run in tmp_path/run) and its steps' records."""
     done = subprocess.run(
         [sys.executable, "-m", "corun", "train", str(config)], cwd=tmp_path,
         capture_output=True, text=True, timeout=600,
         env={**os.environ, "PYTHONPATH": str(ROOT), "WANDB_MODE": "disabled"},
     )  # fmt: skip
     assert done.returncode == 0, done.stderr[-3000:]
-    steps = [r for r in read_records(tmp_path / "run" / "metrics.jsonl") if "train/loss" in r]
-    assert [r["step"] for r in steps] == list(range(1, 7))
-    assert all("train/distill_kl" in r and r["perf/teacher_time_s"] > 0 for r in steps)
+    return [r for r in read_records(tmp_path / "run" / "metrics.jsonl") if "train/loss" in r]
+
+
+def _assert_teacher_torn_down_first(tmp_path: Path) -> None:
     events = read_records(tmp_path / "run" / "events.jsonl")
     order = [e["event"] for e in events if e["event"].startswith("teardown:")]
     assert order.index("teardown:teacher") < order.index("teardown:engine"), order

@@ -118,9 +118,10 @@ class HFDistillTrainer(HFPrompts):
         with ctx.span("teacher", ctx.track, rows=len(prompts)):
             if self.config.distill_kl == "exact":
                 rows = await self.teacher.distributions(prompts, replies)
-                scored.teacher_rows = teacher_rows(rows, rollouts.response_ids.shape[1])
-                chosen = rollouts.response_ids.clamp(max=scored.teacher_rows.shape[-1] - 1)
-                teacher = scored.teacher_rows.gather(-1, chosen[..., None])[..., 0]
+                # (N, T, vocab): built off the event loop, as the batch's other tensors.
+                scored.teacher_rows, teacher = await ctx.compute(
+                    lambda: teacher_rows(rows, rollouts.response_ids)
+                )
             else:
                 scores = await self.teacher.score(prompts, replies)
                 for row, values in enumerate(scores):
@@ -143,10 +144,12 @@ def real_rows(ids: Tensor, real: Tensor) -> list[list[int]]:
     return [row[keep].tolist() for row, keep in zip(ids, real, strict=True)]
 
 
-def teacher_rows(rows: list[Tensor], width: int) -> Tensor:
-    """Each reply's log-prob rows in one (N, width, vocab) tensor, 0 past each reply."""
+def teacher_rows(rows: list[Tensor], replies: Tensor) -> tuple[Tensor, Tensor]:
+    """Each reply's log-prob rows in one (N, T, vocab) tensor, 0 past each reply, and
+    the entries of its tokens (``replies``: (N, T), padded)."""
     vocab = max((row.shape[-1] for row in rows), default=1)
-    out = torch.zeros(len(rows), width, vocab)
+    out = torch.zeros(*replies.shape, vocab)
     for index, row in enumerate(rows):
         out[index, : row.shape[0], : row.shape[-1]] = row
-    return out
+    chosen = out.gather(-1, replies.clamp(max=vocab - 1)[..., None])[..., 0]
+    return out, chosen
