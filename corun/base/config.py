@@ -118,6 +118,15 @@ class LoopConfig(Section, frozen=True, forbid_unknown_fields=True, kw_only=True)
     # Optimizer steps per update: each on a disjoint slice (mini-batch) of every batch
     # of the window. The version still advances once per update.
     mini_batches: PositiveInt = 1
+    # Memory: the most tokens (rows x the longest row among them) one backward pass
+    # holds. Each mini-batch of a trainer that reports its rows' lengths is split into
+    # micro-batches of rows grouped by length, each cut to its own longest row, under
+    # this budget (a row over it goes alone); their gradients add up to the unsplit
+    # update's. 0: never split. A smaller budget holds less and takes longer
+    # (docs/memory.md).
+    micro_batch_tokens: NonNegativeInt = 16384
+    # And at most this many rows per micro-batch (0: no cap).
+    micro_batch_rows: NonNegativeInt = 0
     # Which weights a rollout uses when concurrency > 1. "free": the latest published
     # (highest throughput; timing decides the version, so runs are not reproducible).
     # "fixed": the version a schedule assigns to its data index (a function of the

@@ -23,6 +23,10 @@ class LMTrainerConfig(TrainerConfig, frozen=True, forbid_unknown_fields=True, kw
     d_model: PositiveInt = 128  # model shape (RL: for a fresh model only)
     n_layers: PositiveInt = 2
     n_heads: PositiveInt = 4
+    # Memory: the most logits (positions x vocabulary entries) one log-prob pass holds
+    # at once; longer batches are computed in chunks of positions, and backward
+    # recomputes each chunk. 0: the whole batch at once.
+    logits_chunk: Annotated[int, msgspec.Meta(ge=0)] = 1 << 24
 
     def __post_init__(self) -> None:
         if self.d_model % self.n_heads:
