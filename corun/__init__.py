@@ -40,7 +40,7 @@ _EXPORTS = {
     "corun.loop.teardown": ["RunControl"],
     "corun.contract.trainer": [
         "Batch", "Image", "Metrics", "OptimizerSpec", "Outcome", "Part", "RolloutContext",
-        "SetupContext", "Trainer",
+        "Rows", "SetupContext", "Trainer",
     ],
 }  # fmt: skip
 _MODULE_OF = {name: module for module, names in _EXPORTS.items() for name in names}
@@ -67,6 +67,7 @@ if TYPE_CHECKING:
         Outcome,
         Part,
         RolloutContext,
+        Rows,
         SetupContext,
         Trainer,
     )
@@ -98,6 +99,7 @@ __all__ = [
     "Outcome",
     "Part",
     "RolloutContext",
+    "Rows",
     "RunControl",
     "Session",
     "SetupContext",

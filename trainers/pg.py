@@ -28,7 +28,9 @@ from torch import Tensor
 from corun import ConfigError, world
 
 AdvantageScope = Literal["group", "batch"]
-LossAggregation = Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum"]
+LossAggregation = Literal[
+    "token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm"
+]
 
 
 def _grouped(rewards: Tensor, group_size: int) -> Tensor:
@@ -156,13 +158,17 @@ def decoupled_surrogate(
 
 def aggregate(
     loss: Tensor, mask: Tensor, mode: LossAggregation,
-    shared: Callable[[Tensor], Tensor] | None = None,
+    shared: Callable[[Tensor], Tensor] | None = None, whole: Tensor | None = None,
+    horizon: int | None = None,
 ) -> Tensor:  # fmt: skip
     """Reduce per-token losses (B, T) to a scalar.
 
     token-mean: every token weighs the same (long answers weigh more);
     seq-mean-token-mean: every sequence weighs the same (GRPO's original);
-    seq-mean-token-sum: sums over tokens, then means over sequences (Dr. GRPO style).
+    seq-mean-token-sum: sums over tokens, then means over sequences with tokens;
+    seq-mean-token-sum-norm: the sum over every token divided by a constant, the rows
+    times ``horizon`` tokens (default: ``loss``'s width) — Dr. GRPO's normaliser, which
+    no row's length or rejection changes.
 
     Rows with no tokens count in no denominator, as in current verl: a batch's loss
     must not shrink because some rows were masked out entirely. With no tokens at all
@@ -171,19 +177,28 @@ def aggregate(
 
     ``shared`` maps the local denominator (tokens or sequences) to the one to divide by:
     under torchrun ``corun.shared_count``, so the ranks' mean gradient is the global mean's.
+
+    ``whole``: the mask of the whole mini-batch when ``loss`` covers a chunk of its rows
+    (the update's token budget split it): the denominators are then the whole
+    mini-batch's, so the chunks' results add up to the unsplit result.
     """
     if mode not in get_args(LossAggregation):
         raise ValueError(f"unknown loss aggregation {mode!r}")
     keep = mask.bool()
     per_token = torch.where(keep, loss, 0.0)  # not loss · mask: 0 · inf is NaN
     lengths = keep.sum(dim=1)
+    counted = lengths if whole is None else whole.bool().sum(dim=1)
     shared = shared or (lambda count: count)
     if mode == "token-mean":
-        return per_token.sum() / shared(lengths.sum()).clamp(min=1)
+        return per_token.sum() / shared(counted.sum()).clamp(min=1)
+    if mode == "seq-mean-token-sum-norm":
+        rows = torch.tensor(float(keep.shape[0] if whole is None else whole.shape[0]))
+        steps = loss.shape[1] if horizon is None else horizon
+        return per_token.sum() / (shared(rows.to(per_token.device)) * max(steps, 1)).clamp(min=1)
     per_sequence = per_token.sum(dim=1)
     if mode == "seq-mean-token-mean":
         per_sequence = per_sequence / lengths.clamp(min=1)
-    return per_sequence.sum() / shared((lengths > 0).sum()).clamp(min=1)
+    return per_sequence.sum() / shared((counted > 0).sum()).clamp(min=1)
 
 
 def kl_k3(logp: Tensor, ref_logp: Tensor, *, clamp: float | None = None) -> Tensor:

@@ -62,6 +62,11 @@ class Batch:
     # The fingerprint of the weights that generated it, as the engine reported them at
     # the sync of ``version`` (corun/engines/fingerprint.py); "" when not known.
     weights: str = ""
+    # Set by the update before ``prepare``: whether the token budget splits any part of
+    # this batch into chunks (corun/loop/micro_batches.py). A ``prepare`` that lets the
+    # first mini-batch compute something from its own forward pass (the proximal
+    # log-probs) computes it up front instead when the pass is split.
+    split: bool = False
 
 
 @dataclass(frozen=True)
@@ -119,23 +124,50 @@ class Part:
     micros: int = 1
     generator: torch.Generator | None = None
     version: int = 0
+    # The token budget's chunk of this micro-batch (corun/loop/micro_batches.py), for a
+    # trainer that reports its rows' lengths: chunk ``chunk`` of ``chunks``, whose rows
+    # are ``chunk_rows`` (batch indices, ascending). None: the micro-batch is whole.
+    chunk: int = 0
+    chunks: int = 1
+    chunk_rows: torch.Tensor | None = None
 
     def mini_rows(self, n: int) -> slice:
         """This mini-batch's rows of a batch of ``n`` rows (near-equal contiguous slices)."""
         return slice(*_split(0, n, self.mini, self.minis))
 
-    def rows(self, n: int) -> slice:
-        """This micro-batch's rows of a batch of ``n`` rows."""
+    def rows(self, n: int) -> Rows:
+        """This call's rows of a batch of ``n`` rows: the micro-batch's slice, or the
+        indices of its chunk when the token budget split it."""
+        if self.chunk_rows is not None:
+            return self.chunk_rows
         return slice(*self._bounds(n))
 
+    @property
+    def split(self) -> bool:
+        """Whether the token budget split this micro-batch into chunks."""
+        return self.chunk_rows is not None
+
+    @property
+    def last_chunk(self) -> bool:
+        return self.chunk == self.chunks - 1
+
     def share(self, n: int) -> float:
-        """This micro-batch's rows over its mini-batch's: the weight of a row-mean loss."""
+        """This call's rows over its mini-batch's: the weight of a row-mean loss."""
         start, stop = self._bounds(n)
         mini_start, mini_stop = _split(0, n, self.mini, self.minis)
-        return (stop - start) / max(mini_stop - mini_start, 1)
+        rows = stop - start if self.chunk_rows is None else self.chunk_rows.numel()
+        return rows / max(mini_stop - mini_start, 1)
+
+    def micro_bounds(self, n: int) -> tuple[int, int]:
+        """This micro-batch's rows ``start, stop`` (all of its chunks')."""
+        return self._bounds(n)
 
     def _bounds(self, n: int) -> tuple[int, int]:
         return _split(*_split(0, n, self.mini, self.minis), self.micro, self.micros)
+
+
+# A part's rows of a batch: a contiguous slice, or a chunk's row indices.
+Rows = slice | torch.Tensor
 
 
 def _split(start: int, stop: int, part: int, parts: int) -> tuple[int, int]:
@@ -269,6 +301,10 @@ class Trainer(Generic[C]):
     # runtime may slice by rank, and every loss that averages over rows or tokens
     # divides by ``corun.shared_count`` of its local count (corun/execution/distributed.py).
     data_parallel: ClassVar[bool] = False
+    # ``micro_batches`` splits a mini-batch's rows (``Part.rows``); False: its parts are
+    # something else over all of the mini-batch's rows (Flow-GRPO's denoising steps),
+    # and the token budget (``row_tokens``) then chunks those rows in every part.
+    row_micro_batches: ClassVar[bool] = True
 
     def __init__(self, config: CorunConfig) -> None:
         self.run_config = config
@@ -303,9 +339,22 @@ class Trainer(Generic[C]):
         at a time into the same gradients (rows, or denoising steps)."""
         return 1
 
+    def row_tokens(self, batch: Batch) -> Sequence[int] | None:
+        """The tokens each row of ``batch`` costs a forward pass (its length without
+        padding), so the runtime can split a part that is over ``loop.micro_batch_tokens``
+        into chunks of rows (``Part.chunk_rows``). None (the default): never split.
+
+        A trainer that reports them takes ``part.rows(n)`` as given (a slice, or a
+        chunk's indices), cuts the chunk to its longest row, and returns the chunk's
+        *share* of the micro-batch's loss and metrics: sums over its rows divided by the
+        whole mini-batch's count (``part.mini_rows``), which the runtime adds up over
+        the chunks."""
+        return None
+
     def loss(self, batch: Batch, part: Part) -> tuple[torch.Tensor, Mapping[str, float]]:
         """The loss of ``part`` of ``batch`` (a tensor to backpropagate) and metrics
-        (logged as ``train/<name>``, averaged over the calls of a step)."""
+        (logged as ``train/<name>``, averaged over the calls of a step; a token budget's
+        chunks' values are added up first, see :meth:`row_tokens`)."""
         raise NotImplementedError(f"{type(self).__name__} defines neither loss nor train_step")
 
     def train_step(self, batch: Batch) -> Metrics | Awaitable[Metrics]:

@@ -358,9 +358,18 @@ def take_collective_s() -> float:
 
 def all_reduce_sum(tensor: torch.Tensor, what: str) -> None:
     """Sum ``tensor`` over the ranks in place, within the timeout, abandoned on a stop."""
+    _all_reduce(tensor, what, dist.ReduceOp.SUM)
+
+
+def all_reduce_max(tensor: torch.Tensor, what: str) -> None:
+    """The ranks' elementwise maximum of ``tensor``, in place (as :func:`all_reduce_sum`)."""
+    _all_reduce(tensor, what, dist.ReduceOp.MAX)
+
+
+def _all_reduce(tensor: torch.Tensor, what: str, op: Any) -> None:
     started = time.monotonic()
     try:
-        work = dist.all_reduce(tensor, op=dist.ReduceOp.SUM, async_op=True)
+        work = dist.all_reduce(tensor, op=op, async_op=True)
         assert work is not None
         deadline = started + _timeout_s[0]
         uncancellable = getattr(_local, "uncancellable", False)

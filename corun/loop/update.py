@@ -9,6 +9,11 @@ One owner for what every gradient trainer would otherwise write again:
 - a mini-batch may be split into the trainer's ``micro_batches(batch)`` pieces,
   backpropagated one at a time into the same gradients (memory), with cancel points
   between them;
+- for a trainer that reports its rows' lengths (``row_tokens``), each such piece is
+  further split into chunks of rows under the token budget ``loop.micro_batch_tokens``
+  (and ``loop.micro_batch_rows``): rows grouped by length, each chunk cut to its own
+  longest row (corun/loop/micro_batches.py); each chunk's loss is its share of the
+  piece's, so the gradients are the unsplit piece's;
 - before each step every registered optimizer's gradients are clipped to its
   ``grad_clip`` (global norm), and its rate set by ``loop.lr_schedule`` for the
   update's number (corun/loop/schedule.py; ``train/lr`` when not constant);
@@ -28,7 +33,8 @@ advances once per window, however many optimizer steps the window takes.
 Metrics of one ``train`` call (one rollout batch; at a window's end, the window's
 later mini-batches too): ``train/loss`` is the mean over the mini-batches computed of
 their micro-batch losses' sum; every other value a ``loss`` returns is averaged over
-the calls that returned it; ``train/grad_norm`` (``train/<name>/grad_norm`` for an
+the micro-batches that returned it (a micro-batch's chunks' values added up first:
+each is its share); ``train/grad_norm`` (``train/<name>/grad_norm`` for an
 optimizer registered under a name) is the mean norm before clipping over the steps.
 """
 
@@ -46,6 +52,7 @@ from corun.base.rng import update_generator
 from corun.contract.trainer import DEFAULT_OPTIMIZER, Batch, OptimizerSpec, Part, Trainer, overrides
 from corun.execution import distributed, parallel
 from corun.execution.compute import cancel_point
+from corun.loop.micro_batches import Chunks, agree_counts, plan_chunks, split_to
 from corun.loop.schedule import ScheduleName, apply_factor, lr_factor
 
 
@@ -55,7 +62,8 @@ class Updater:
     def __init__(
         self, trainer: Trainer[Any], optimizers: Sequence[OptimizerSpec], *, window: int,
         mini_batches: int, seed: int, schedule: ScheduleName = "constant", updates: int = 1,
-        warmup: int = 0, final: float = 0.0,
+        warmup: int = 0, final: float = 0.0, micro_batch_tokens: int = 0,
+        micro_batch_rows: int = 0,
     ) -> None:  # fmt: skip
         self.trainer = trainer
         self.optimizers = list(optimizers)
@@ -64,11 +72,13 @@ class Updater:
         self.seed = seed
         self.schedule, self.updates, self.warmup, self.final = schedule, updates, warmup, final
         self.prepares = overrides(trainer, "prepare")
+        self.budget = micro_batch_tokens, micro_batch_rows
+        self.splits = overrides(trainer, "row_tokens") and any(self.budget)
         self.world = distributed.world()
         self.version = 0  # of the weights the current window's update starts from
-        # The window's batches so far, with their update generators: mini-batches
-        # after the first revisit them once the step before has been applied.
-        self._pending: list[tuple[Batch, torch.Generator]] = []
+        # The window's batches so far, with their update generators and chunk plans:
+        # mini-batches after the first revisit them once the step before has been applied.
+        self._pending: list[tuple[Batch, torch.Generator, Plans]] = []
 
     @classmethod
     def of(
@@ -93,7 +103,8 @@ class Updater:
             trainer, optimizers, window=loop.accumulate, mini_batches=loop.mini_batches,
             seed=config.run.seed, schedule=loop.lr_schedule,
             updates=max(1, config.run.steps // loop.accumulate), warmup=loop.lr_warmup,
-            final=loop.lr_final,
+            final=loop.lr_final, micro_batch_tokens=loop.micro_batch_tokens,
+            micro_batch_rows=loop.micro_batch_rows,
         )  # fmt: skip
 
     def train(self, batch: Batch, window_pos: int, version: int = 0) -> dict[str, float]:
@@ -110,20 +121,25 @@ class Updater:
         if window_pos == 0:
             self._zero_grad()
             self._pending.clear()
+        plans = self._plan(batch)
+        batch.split = bool(plans)
         if self.prepares:
             batch.data = self.trainer.prepare(batch)
         generator = update_generator(self.seed, batch.index)
-        self._pending.append((batch, generator))
+        self._pending.append((batch, generator, plans))
         sums = _MetricSums()
         # Nothing is applied yet: a stop here leaves the weights as they were.
-        self._backward(batch, 0, generator, sums, cancellable=True)
+        self._backward(batch, 0, generator, plans, sums, cancellable=True)
         if window_pos == self.window - 1:
             self._step(sums)
             with distributed.uncancellable():  # a step has been applied
                 for mini in range(1, self.mini_batches):
                     self._zero_grad()
-                    for pending, pending_generator in self._pending:
-                        self._backward(pending, mini, pending_generator, sums, cancellable=False)
+                    for pending, pending_generator, pending_plans in self._pending:
+                        self._backward(
+                            pending, mini, pending_generator, pending_plans, sums,
+                            cancellable=False,
+                        )  # fmt: skip
                     self._step(sums)
             self._pending.clear()
         if not self.world.parallel:
@@ -133,20 +149,59 @@ class Updater:
             means = distributed.mean_metrics(sums.means())
         return {**means, "perf/collective_time_s": distributed.take_collective_s()}
 
+    def _plan(self, batch: Batch) -> Plans:
+        """The token budget's chunks of each (mini-batch, micro-batch) of ``batch`` that
+        does not fit whole; agreed over the ranks (corun/loop/micro_batches.py)."""
+        if not self.splits:
+            return {}
+        lengths = self.trainer.row_tokens(batch)
+        if lengths is None:
+            return {}
+        micros = self.trainer.micro_batches(batch)
+        parts = [(mini, micro) for mini in range(self.mini_batches) for micro in range(micros)]
+        # A part's rows: its micro-batch's, or the mini-batch's when micro-batches are
+        # not row slices (Trainer.row_micro_batches).
+        by_rows = self.trainer.row_micro_batches
+        bounds = {
+            (mini, micro): Part(
+                mini, self.mini_batches, micro if by_rows else 0, micros if by_rows else 1
+            ).micro_bounds(len(lengths))
+            for mini, micro in parts
+        }
+        local = {key: plan_chunks(lengths, *bounds[key], *self.budget) for key in parts}
+        counts = agree_counts([len(local[key] or [None]) for key in parts])
+        plans: Plans = {}
+        for key, count in zip(parts, counts, strict=True):
+            if count > 1:
+                whole = [torch.arange(*bounds[key], dtype=torch.long)]
+                plans[key] = split_to(local[key] or whole, count)
+        return plans
+
     def _backward(
-        self, batch: Batch, mini: int, generator: torch.Generator, sums: _MetricSums,
-        cancellable: bool,
+        self, batch: Batch, mini: int, generator: torch.Generator, plans: Plans,
+        sums: _MetricSums, cancellable: bool,
     ) -> None:  # fmt: skip
         micros = self.trainer.micro_batches(batch)
         total = 0.0
         for micro in range(micros):
-            if cancellable:
-                cancel_point()
-            part = Part(mini, self.mini_batches, micro, micros, generator, self.version)
-            loss, metrics = self.trainer.loss(batch, part)
-            torch.autograd.backward(loss if self.window == 1 else loss / self.window)
-            total += float(loss.detach())
-            sums.add(metrics)
+            chunks = plans.get((mini, micro))
+            shares: dict[str, float] = defaultdict(float)
+            for chunk, rows in enumerate(chunks or [None]):
+                if cancellable:
+                    cancel_point()
+                part = Part(
+                    mini, self.mini_batches, micro, micros, generator, self.version,
+                    chunk, len(chunks or [None]), rows,
+                )  # fmt: skip
+                loss, metrics = self.trainer.loss(batch, part)
+                torch.autograd.backward(loss if self.window == 1 else loss / self.window)
+                total += float(loss.detach())
+                if chunks is None:  # whole: as returned
+                    shares = dict(metrics)  # type: ignore[assignment]
+                else:  # a chunk's values are its shares of the micro-batch's
+                    for key, value in metrics.items():
+                        shares[key] += float(value)
+            sums.add(shares)
         sums.loss(total)
 
     def _zero_grad(self) -> None:
@@ -171,6 +226,10 @@ class Updater:
             norms[spec.name] = parallel.clip_grad_norm(spec.params, limit)
             spec.optimizer.step()
         sums.norms(norms)
+
+
+# A batch's chunks by (mini-batch, micro-batch); a part that fits whole is absent.
+Plans = dict[tuple[int, int], Chunks]
 
 
 def _norm_key(optimizer: str) -> str:

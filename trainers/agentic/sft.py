@@ -19,13 +19,12 @@ from corun import (
     ShuffledBatches,
     Trainer,
     TrainerConfig,
-    shared_count,
 )
 from trainers.agentic import calculator
 from trainers.agentic.calculator import EnvSettings, Problem, Problems
 from trainers.agentic.policy import build_agent, calculator_env, evaluate_agent
 from trainers.lm.policy import load_policy_state, policy_state, sharded
-from trainers.lm.sft import masked_loss_sum
+from trainers.lm.sft import token_mean_loss
 from trainers.lm.tasks import TokenBatch
 from trainers.weights import to_device
 
@@ -106,12 +105,13 @@ class AgenticSFTTrainer(Trainer[AgenticSFTConfig]):
         """The demonstrations (tokenised on the CPU) to the model's device, once."""
         return to_device(batch.data, self.device)
 
+    def row_tokens(self, batch: Batch) -> list[int]:
+        tokens: TokenBatch = batch.data
+        return tokens.lengths()
+
     def loss(self, batch: Batch, part: Part) -> tuple[torch.Tensor, dict[str, float]]:
-        tokens: TokenBatch = batch.data.rows(part.mini_rows(len(batch.data)))
         self.model.train()
-        # A token mean over every rank's shard under torchrun (shared_count).
-        num_tokens = shared_count(tokens.loss_mask.sum())
-        return masked_loss_sum(self.model(tokens.inputs), tokens) / num_tokens, {}
+        return token_mean_loss(self.model, batch.data, part), {}
 
     async def evaluate(self) -> dict[str, float]:
         seed = self.run_config.run.seed

@@ -103,7 +103,7 @@ class ImageGroups:
     def __len__(self) -> int:
         return len(self.trajectory)
 
-    def rows(self, rows: slice) -> ImageGroups:
+    def rows(self, rows: slice | Tensor) -> ImageGroups:
         """Some images (a mini-batch); the trained steps are shared."""
         return replace(
             self, trajectory=self.trajectory.rows(rows), rewards=self.rewards[rows],
@@ -195,8 +195,9 @@ def flow_grpo_step_loss(
         kl = mean_over(distance / (2 * density.std.square()), shared)
         loss = loss + settings.kl_coef * kl
     log_ratio = logp.detach() - old_logp
+    clipped = (torch.expm1(log_ratio).abs() > settings.clip_range).to(log_ratio.dtype)
     return loss, {
-        "clip_ratio": float((torch.expm1(log_ratio).abs() > settings.clip_range).float().mean()),
+        "clip_ratio": float(mean_over(clipped, shared)),
         "kl": float(kl.detach()),
-        "approx_kl": float(0.5 * log_ratio.square().mean()),
+        "approx_kl": float(mean_over(0.5 * log_ratio.square(), shared)),
     }

@@ -9,6 +9,7 @@ shared with the other image tracks (trainers/diffusion/flow_rl.py).
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Annotated, Any
 
 import msgspec
@@ -90,27 +91,44 @@ class FlowGRPOTrainer(ReplicatedRollouts, FlowTrainer[FlowGRPOConfig]):
         return Batch(groups, {f"rollout/{k}": v for k, v in metrics.items()}, version=version)
 
     # ---- train: one trained denoising step per micro-batch
+    row_micro_batches = False  # each step covers all the mini-batch's images
+
     def micro_batches(self, batch: Batch) -> int:
         return len(batch.data.steps)
 
+    def row_tokens(self, batch: Batch) -> list[int]:
+        """An image costs its latent's positions (each row the same): the token budget
+        splits a step's images into chunks of rows."""
+        groups: ImageGroups = batch.data
+        height, width = groups.trajectory.latents.shape[-2:]
+        return [height * width] * len(groups)
+
     def loss(self, batch: Batch, part: Part) -> tuple[Tensor, dict[str, float]]:
         groups: ImageGroups = batch.data
-        groups = groups.rows(part.mini_rows(len(groups)))
+        n = len(groups)
+        chunk = groups.rows(part.rows(n) if part.split else part.mini_rows(n))
         self.model.train()
         loss, metrics = flow_grpo_step_loss(
-            self.model,
-            self.reference,
-            groups,
-            groups.steps[part.micro],
-            self.config.grpo,
-            shared_count,
-        )
+            self.model, self.reference, chunk, chunk.steps[part.micro], self.config.grpo,
+            over_mini_batch(part, n) if part.split else shared_count,
+        )  # fmt: skip
         return loss / part.micros, metrics
 
     # ---- sync: the sampler takes the trained weights
     def rollout_weights(self) -> dict[str, Tensor]:
         """The trained weights; when sharded, gathered whole (every rank together)."""
         return gathered_state(self.model)
+
+
+def over_mini_batch(part: Part, n: int) -> Callable[[Tensor], Tensor]:
+    """What a chunk's means divide by: its mini-batch's images (under torchrun every
+    rank's), so the chunks' losses and metrics are shares that add up to the whole."""
+    rows = part.mini_rows(n)
+
+    def count(local: Tensor) -> Tensor:
+        return shared_count(torch.full_like(local, float(rows.stop - rows.start)))
+
+    return count
 
 
 def sampler_replica(model: FlowDiT, device: torch.device) -> Any:

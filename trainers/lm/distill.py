@@ -30,12 +30,12 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from corun import shared_count
+from corun import Rows
 from trainers.lm.engine import Rollouts
 from trainers.lm.policy import CausalPolicy
 from trainers.lm.policy_gradient import PolicyGradientAlgorithm, PolicyLoss, RLConfig, Scored
 from trainers.lm.settings import NonNegativeFloat
-from trainers.pg import aggregate, group_advantages
+from trainers.pg import group_advantages
 
 
 class DistillConfig(RLConfig, frozen=True, forbid_unknown_fields=True, kw_only=True):
@@ -87,16 +87,15 @@ class Distill(PolicyGradientAlgorithm[DistillConfig]):
         return DistillBatch(rollouts, advantages, scored.teacher_rows if exact else None)
 
     def rows_loss(
-        self, data: DistillBatch, rows: slice, policy_loss: PolicyLoss
+        self, data: DistillBatch, rows: Rows, policy_loss: PolicyLoss
     ) -> tuple[Tensor, dict[str, float]]:
         loss, metrics, hidden = policy_loss(data.rollouts, rows, data.advantages[rows])
         if data.teacher_rows is None:
             return loss, metrics
         kl = self.exact_kl(hidden, data.teacher_rows[rows])
         mask = data.rollouts.response_mask[rows]
-        tokens = shared_count(mask.sum()).clamp(min=1)
-        metrics["distill_kl"] = float((kl.detach() * mask).sum() / tokens)
-        return loss + aggregate(kl, mask, self.config.loss_agg, shared_count), metrics
+        metrics["distill_kl"] = policy_loss.mean(kl.detach(), mask)
+        return loss + policy_loss.aggregate(kl, mask, self.config.loss_agg), metrics
 
     def exact_kl(self, hidden: Tensor, teacher: Tensor) -> Tensor:
         """KL(student ‖ teacher) at each response position, (rows, T): the student's

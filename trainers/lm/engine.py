@@ -61,6 +61,36 @@ class Rollouts:
             None if self.prompt_mask is None else self.prompt_mask[rows],
         )  # fmt: skip
 
+    def response_ends(self) -> Tensor:
+        """(N,) each row's response up to its last trained token (0: none)."""
+        mask = self.response_mask
+        positions = torch.arange(1, mask.shape[1] + 1, device=mask.device)
+        return torch.where(mask, positions, 0).amax(dim=1)
+
+    def prompt_lengths(self) -> Tensor:
+        """(N,) each row's prompt without its left padding."""
+        if self.prompt_mask is None:
+            return torch.full((self.prompt_ids.shape[0],), self.prompt_ids.shape[1])
+        return self.prompt_mask.sum(dim=1)
+
+    def row_tokens(self) -> list[int]:
+        """What each row costs a forward pass cut to it: its prompt and its response up
+        to the last trained token."""
+        return (self.prompt_lengths().cpu() + self.response_ends().cpu()).tolist()
+
+    def trimmed(self) -> Rollouts:
+        """The same rows without the columns none of them needs: the prompts' shared
+        left padding and the responses past the last trained token (at least one).
+        Causal attention: what a kept position computes does not change."""
+        width = max(1, int(self.response_ends().max()))
+        start = self.prompt_ids.shape[1] - int(self.prompt_lengths().max())
+        return Rollouts(
+            self.prompt_ids[:, start:], self.response_ids[:, :width],
+            self.response_mask[:, :width], self.logprobs[:, :width], self.truncated,
+            self.token_versions[:, :width], self.version,
+            None if self.prompt_mask is None else self.prompt_mask[:, start:],
+        )  # fmt: skip
+
     def spans_versions(self) -> Tensor:
         """(N,) bool: rows whose tokens came from more than one version (partial rollouts)."""
         versions = self.token_versions.masked_fill(~self.response_mask, self.version)

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from corun import ConfigError, RolloutContext, SetupContext, world
+from corun import ConfigError, RolloutContext, Rows, SetupContext, world
 from trainers.lm.engine import Rollouts
 from trainers.lm.policy_gradient import (
     PolicyGradientAlgorithm,
@@ -63,7 +63,7 @@ class GRPO(PolicyGradientAlgorithm[GRPOConfig]):
         return GRPOBatch(scored.rollouts, advantages)
 
     def rows_loss(
-        self, data: GRPOBatch, rows: slice, policy_loss: PolicyLoss
+        self, data: GRPOBatch, rows: Rows, policy_loss: PolicyLoss
     ) -> tuple[Tensor, dict[str, float]]:
         loss, metrics, _ = policy_loss(data.rollouts, rows, data.advantages[rows, None])
         return loss, metrics

@@ -15,8 +15,9 @@ applies them.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import partial
 from typing import Annotated, Any, ClassVar, Generic, Literal, Protocol, Self, TypeVar
 
@@ -24,7 +25,7 @@ import msgspec
 import torch
 from torch import Tensor, nn
 
-from corun import Batch, ConfigError, Part, SetupContext, Trainer, shared_count
+from corun import Batch, ConfigError, Part, Rows, SetupContext, Trainer, shared_count
 from trainers.lm.engine import Rollouts
 from trainers.lm.policy import CausalPolicy, rollout_logprobs
 from trainers.lm.settings import LMTrainerConfig, NonNegativeFloat, PositiveInt
@@ -186,9 +187,60 @@ class TrainablePolicy(CausalPolicy, Protocol):
     def num_params(self) -> int: ...
 
 
-# A slice of rows' clipped policy loss, given their advantages (rows, 1) or (rows, T):
-# the loss, its metrics and the hidden states (a value head's input).
-PolicyLoss = Callable[[Rollouts, slice, Tensor], tuple[Tensor, dict[str, float], Tensor]]
+@dataclass
+class MiniBatch:
+    """What a chunk of rows (the update's token budget split its mini-batch) divides by
+    and gathers into: the whole mini-batch's rows (``whole``), its loss's kept tokens
+    (``keep``: a rejecting correction's, else the response mask), and the per-token
+    values the mini-batch's own metrics are computed from at its last chunk."""
+
+    whole: Rollouts
+    keep: Tensor
+    rows: Tensor  # this chunk's rows, as positions in the mini-batch
+    last: bool
+    horizon: int  # the batch's response width, before any chunk was cut
+    gathered: dict[str, Tensor] = field(default_factory=dict)
+
+    @property
+    def mask(self) -> Tensor:
+        return self.whole.response_mask
+
+    def gather(self, name: str, values: Tensor) -> Tensor | None:
+        """Put this chunk's (rows, width) ``values`` in place; the mini-batch's whole
+        (rows, T) tensor once the last chunk is in, else None."""
+        full = self.gathered.get(name)
+        if full is None:
+            full = self.gathered[name] = torch.zeros_like(self.mask, dtype=values.dtype)
+        full[self.rows, : values.shape[1]] = values
+        return full if self.last else None
+
+
+@dataclass
+class PolicyLoss:
+    """A slice of rows' clipped policy loss, given their advantages (rows, 1) or (rows, T):
+    ``policy_loss(rollouts, rows, advantages)`` returns the loss, its metrics and the
+    hidden states (a value head's input). An algorithm reduces its own per-token terms
+    with :meth:`aggregate` and :meth:`mean`, which divide as the policy loss does: by
+    the whole mini-batch's counts when the rows are a chunk of it."""
+
+    compute: Callable[..., tuple[Tensor, dict[str, float], Tensor]]
+    counts: MiniBatch | None = None
+
+    def __call__(
+        self, rollouts: Rollouts, rows: Rows, advantages: Tensor
+    ) -> tuple[Tensor, dict[str, float], Tensor]:
+        return self.compute(rollouts, rows, advantages, counts=self.counts)
+
+    def aggregate(self, values: Tensor, mask: Tensor, mode: LossAggregation) -> Tensor:
+        counts = self.counts
+        if counts is None:
+            return aggregate(values, mask, mode, shared_count)
+        return aggregate(values, mask, mode, shared_count, counts.mask, counts.horizon)
+
+    def mean(self, values: Tensor, mask: Tensor) -> float:
+        """The token mean of ``values`` over ``mask`` (a chunk's share of it)."""
+        whole = mask if self.counts is None else self.counts.mask
+        return _masked_mean(values, mask, shared_count(whole.sum()).clamp(min=1))
 
 
 class PolicyGradientAlgorithm(Generic[A]):
@@ -214,9 +266,10 @@ class PolicyGradientAlgorithm(Generic[A]):
         return data
 
     def rows_loss(
-        self, data: Any, rows: slice, policy_loss: PolicyLoss
+        self, data: Any, rows: Rows, policy_loss: PolicyLoss
     ) -> tuple[Tensor, dict[str, float]]:
-        """The loss of ``rows`` of a prepared batch, from their clipped policy loss."""
+        """The loss of ``rows`` of a prepared batch, from their clipped policy loss; its
+        own per-token terms reduced by ``policy_loss.aggregate`` and ``.mean``."""
         raise NotImplementedError
 
 
@@ -244,8 +297,11 @@ class PolicyGradientTrainer(Trainer[C]):
                 'when a publish happens to come, which loop.version_schedule = "fixed" forbids'
             )
         # Several optimizer steps per batch: the later ones need the proximal log-probs
-        # computed before the first (prepare); with one, its own forward pass has them.
+        # computed before the first (prepare); with one, its own forward pass has them
+        # (unless the token budget splits that pass).
         self.later_mini_batches = ctx.config.loop.mini_batches > 1
+        # The per-token values of the mini-batch being split, gathered chunk by chunk.
+        self.gathered: dict[str, Tensor] = {}
         # The models on the run's device before the reference and the engine copy the
         # policy, and before the optimizer takes their parameters.
         self.device = ctx.device
@@ -285,6 +341,13 @@ class PolicyGradientTrainer(Trainer[C]):
         return [p for module in self.extra_modules.values() for p in module.parameters()]
 
     # ---- train
+    def row_tokens(self, batch: Batch) -> list[int]:
+        """Each row's prompt and response up to its last trained token: a chunk of rows
+        is cut to its longest (:meth:`Rollouts.trimmed`)."""
+        data = batch.data.data if isinstance(batch.data, Prepared) else batch.data
+        rollouts: Rollouts = data.rollouts
+        return rollouts.row_tokens()
+
     def prepare(self, batch: Batch) -> Prepared[Any]:
         data = self.algorithm.prepare(batch.data, self.policy)
         proximal = None
@@ -292,10 +355,14 @@ class PolicyGradientTrainer(Trainer[C]):
         # own log-probs before this batch's update.
         corrected = (self.config.rollout_correction or "none") != "none"
         decoupled = self.config.off_policy_correction == "decoupled" or corrected
-        if decoupled and self.later_mini_batches:
+        # Split into chunks, no one forward pass sees the whole mini-batch, whose kept
+        # tokens (a rejecting correction's) every chunk's loss divides by.
+        if decoupled and (self.later_mini_batches or batch.split):
             rollouts = data.rollouts
             with torch.no_grad():  # the policy before this batch's update
-                proximal, _, _ = rollout_logprobs(self.policy, rollouts, self.config.temperature)
+                proximal, _, _ = rollout_logprobs(
+                    self.policy, rollouts, self.config.temperature, chunk=self.config.logits_chunk
+                )  # fmt: skip
         return Prepared(data, proximal, decoupled)
 
     def loss(self, batch: Batch, part: Part) -> tuple[Tensor, dict[str, float]]:
@@ -303,33 +370,62 @@ class PolicyGradientTrainer(Trainer[C]):
         self.policy.train()
         rows = part.rows(prepared.data.rollouts.prompt_ids.shape[0])
         proximal: Proximal = prepared.proximal
-        if prepared.decoupled and part.mini == 0:
+        if prepared.decoupled and part.mini == 0 and not part.split:
             proximal = "own"  # no step applied since prepare: the loss's forward has them
         # Mini-batch 0 computes with the weights of version ``part.version``: its own
         # log-probs against the engine's are the diagnostics.
         diagnose = part.version if part.mini == 0 else None
+        if part.split:
+            return self.chunk_loss(prepared.data, part, proximal, diagnose)
         return self.rows_loss(prepared.data, rows, proximal, diagnose)
 
+    def chunk_loss(
+        self, data: Any, part: Part, proximal: Proximal, diagnose: int | None
+    ) -> tuple[Tensor, dict[str, float]]:
+        """The loss of a chunk of a mini-batch's rows, cut to its longest row: its share
+        of the mini-batch's loss and metrics (corun/loop/micro_batches.py)."""
+        rollouts: Rollouts = data.rollouts
+        n, horizon = rollouts.prompt_ids.shape[0], rollouts.response_ids.shape[1]
+        rows, mini = part.rows(n), part.mini_rows(n)
+        assert isinstance(rows, Tensor) and isinstance(proximal, Tensor | None)
+        whole = rollouts.select(mini)
+        keep = whole.response_mask
+        gap = EngineGap.of(self.config, None, False)
+        if proximal is not None and gap.correction != "none":
+            keep = gap.correct(proximal[mini], whole).keep  # a rejection's, decided up front
+        if part.chunk == 0:
+            self.gathered = {}
+        counts = MiniBatch(whole, keep, rows.to(keep.device) - mini.start, part.last_chunk,
+                           horizon, self.gathered)  # fmt: skip
+        chunk = select_rows(data, rows, horizon)
+        width = chunk.rollouts.response_ids.shape[1]
+        if isinstance(proximal, Tensor):
+            proximal = proximal[rows.to(proximal.device), :width]
+        compute = partial(self.policy_loss, proximal=proximal, diagnose=diagnose)
+        return self.algorithm.rows_loss(chunk, slice(None), PolicyLoss(compute, counts))
+
     def rows_loss(
-        self, data: Any, rows: slice, proximal: Proximal, diagnose: int | None = None
+        self, data: Any, rows: Rows, proximal: Proximal, diagnose: int | None = None
     ) -> tuple[Tensor, dict[str, float]]:
         policy_loss = partial(self.policy_loss, proximal=proximal, diagnose=diagnose)
-        return self.algorithm.rows_loss(data, rows, policy_loss)
+        return self.algorithm.rows_loss(data, rows, PolicyLoss(policy_loss))
 
     def policy_loss(
-        self, rollouts: Rollouts, rows: slice, advantages: Tensor, proximal: Proximal,
-        diagnose: int | None = None,
+        self, rollouts: Rollouts, rows: Rows, advantages: Tensor, proximal: Proximal,
+        diagnose: int | None = None, counts: MiniBatch | None = None,
     ) -> tuple[Tensor, dict[str, float], Tensor]:  # fmt: skip
         """Clipped surrogate (+ KL) over ``rows``; ``advantages`` is (rows, 1) or (rows, T).
         ``diagnose``: the version of the weights computing, when the engine's log-probs
-        are to be compared with them (mini-batch 0)."""
+        are to be compared with them (mini-batch 0). ``counts``: the mini-batch the rows
+        are a chunk of (already selected: ``rows`` is all of them)."""
         cfg = self.config
+        if counts is None and isinstance(proximal, Tensor):
+            proximal = proximal[rows]
         return clipped_policy_loss(
-            self.policy, rollouts.select(rows), advantages, cfg,
-            proximal=proximal if proximal is None or isinstance(proximal, str) else proximal[rows],
+            self.policy, rollouts.select(rows), advantages, cfg, proximal=proximal,
             importance_cap=cfg.importance_cap, reference=self.reference, kl_coef=cfg.kl_coef,
             kl_clamp=cfg.kl_clamp, dual_clip=cfg.dual_clip,
-            gap=EngineGap.of(cfg, diagnose, self.run_config.loop.concurrency > 1),
+            gap=EngineGap.of(cfg, diagnose, self.run_config.loop.concurrency > 1), counts=counts,
         )  # fmt: skip
 
     # ---- observability and state
@@ -345,10 +441,29 @@ class PolicyGradientTrainer(Trainer[C]):
             module.load_state_dict(state["extra"][name])
 
 
+def select_rows(data: Any, rows: Tensor, horizon: int) -> Any:
+    """``rows`` of an algorithm's batch (a dataclass of per-row tensors around its
+    ``rollouts``), cut to their longest row: the rollouts trimmed, and every other
+    tensor's response axis (the second, ``horizon`` wide) cut to the same width."""
+    rollouts: Rollouts = data.rollouts.select(rows.to(data.rollouts.prompt_ids.device)).trimmed()
+    width = rollouts.response_ids.shape[1]
+    fields: dict[str, Any] = {"rollouts": rollouts}
+    for f in dataclasses.fields(data):
+        value = getattr(data, f.name)
+        if f.name == "rollouts" or not isinstance(value, Tensor):
+            continue
+        value = value[rows.to(value.device)]
+        cut = value.dim() > 1 and value.shape[1] == horizon
+        fields[f.name] = value[:, :width] if cut else value
+    return dataclasses.replace(data, **fields)
+
+
 class PolicyLossSettings(Protocol):
     # Read-only, as the frozen config Structs that satisfy it.
     @property
     def temperature(self) -> float: ...
+    @property
+    def logits_chunk(self) -> int: ...
     @property
     def clip_low(self) -> float: ...
     @property
@@ -382,6 +497,23 @@ class EngineGap:
             stale,
         )  # fmt: skip
 
+    def batch_metrics(
+        self, logp: Tensor, anchor: Tensor, rollouts: Rollouts, counts: MiniBatch | None,
+        corrected: CorrectionResult | None,
+    ) -> dict[str, float]:  # fmt: skip
+        """The correction's (``corrected``'s, of these rows) and the diagnostics' metrics
+        of the batch, or, for a chunk, of its whole mini-batch: gathered, and computed
+        once its last chunk is in."""
+        if counts is None:
+            known = {} if corrected is None else corrected.metrics
+            return known | self.diagnostics(logp, rollouts)
+        whole_logp, whole_anchor = counts.gather("logp", logp), counts.gather("anchor", anchor)
+        if whole_logp is None or whole_anchor is None:
+            return {}
+        whole = counts.whole
+        metrics = {} if corrected is None else self.correct(whole_anchor, whole).metrics
+        return metrics | self.diagnostics(whole_logp, whole)
+
     def correct(self, logp: Tensor, rollouts: Rollouts) -> CorrectionResult:
         return rollout_correction(
             self.correction, logp, rollouts.logprobs, rollouts.response_mask, cap=self.cap,
@@ -409,31 +541,34 @@ def clipped_policy_loss(
     policy: CausalPolicy, rollouts: Rollouts, advantages: Tensor, settings: PolicyLossSettings,
     *, proximal: Proximal = None, importance_cap: float = 1.0,
     reference: CausalPolicy | None = None, kl_coef: float = 0.0, kl_clamp: float | None = None,
-    dual_clip: float | None = None, gap: EngineGap | None = None,
+    dual_clip: float | None = None, gap: EngineGap | None = None, counts: MiniBatch | None = None,
 ) -> tuple[Tensor, dict[str, float], Tensor]:  # fmt: skip
     """The clipped surrogate of ``rollouts`` under ``policy`` (decoupled against
     ``proximal`` log-probs when given — ``"own"``: the policy's own, detached —, weights
     capped at ``importance_cap``, or, with ``gap``'s correction, the correction's;
     dual clip at ``dual_clip``), plus ``kl_coef`` × k3 KL (capped at ``kl_clamp``) to
-    ``reference`` when given, and ``gap``'s diagnostics. Returns the aggregated loss,
-    metrics, and the hidden states (a value head's input)."""
-    logp, entropy, hidden = rollout_logprobs(policy, rollouts, settings.temperature)
+    ``reference`` when given, and ``gap``'s diagnostics. ``counts``: the mini-batch
+    these rows are a chunk of, whose counts the loss and the metrics divide by (each
+    then a share). Returns the aggregated loss, metrics, and the hidden states (a value
+    head's input)."""
+    chunk = settings.logits_chunk
+    logp, entropy, hidden = rollout_logprobs(policy, rollouts, settings.temperature, chunk=chunk)
     mask = keep = rollouts.response_mask
     # The metrics' token means divide by the shared count too: averaged over the ranks
     # (corun/loop/update.py), they are the token means of the whole batch.
-    tokens = shared_count(mask.sum()).clamp(min=1)
+    tokens = shared_count((mask if counts is None else counts.mask).sum()).clamp(min=1)
     metrics: dict[str, float] = {}
     if isinstance(proximal, str):  # "own": the weights are the proximal policy's
         proximal = logp.detach()
+    anchor = logp.detach() if proximal is None else proximal
+    corrected = None
     if gap is not None and gap.correction != "none":
-        anchor = logp.detach() if proximal is None else proximal
         corrected = gap.correct(anchor, rollouts)
         loss_tok, clipped = clipped_surrogate(
             logp, anchor, advantages, settings.clip_low, settings.clip_high,
             clip_ratio_c=dual_clip,
         )  # fmt: skip
         loss_tok, keep = corrected.weights * loss_tok, corrected.keep
-        metrics |= corrected.metrics
     elif proximal is not None:
         loss_tok, clipped, weights = decoupled_surrogate(
             logp, proximal, rollouts.logprobs, advantages, settings.clip_low,
@@ -449,15 +584,22 @@ def clipped_policy_loss(
     metrics["entropy"] = _masked_mean(entropy.detach(), mask, tokens)
     if reference is not None:
         with torch.no_grad():
-            ref_logp, _, _ = rollout_logprobs(reference, rollouts, settings.temperature)
+            ref_logp, _, _ = rollout_logprobs(
+                reference, rollouts, settings.temperature, chunk=chunk
+            )
         kl = kl_k3(logp, ref_logp, clamp=kl_clamp)
         loss_tok = loss_tok + kl_coef * kl
         metrics["kl"] = _masked_mean(kl.detach(), mask, tokens)
     else:
         metrics["kl"] = _masked_mean(kl_k3(logp.detach(), rollouts.logprobs), mask, tokens)
     if gap is not None:
-        metrics |= gap.diagnostics(logp.detach(), rollouts)
-    return aggregate(loss_tok, keep, settings.loss_agg, shared_count), metrics, hidden
+        metrics |= gap.batch_metrics(logp.detach(), anchor, rollouts, counts, corrected)
+    if counts is None:
+        return aggregate(loss_tok, keep, settings.loss_agg, shared_count), metrics, hidden
+    loss = aggregate(
+        loss_tok, keep, settings.loss_agg, shared_count, counts.keep, counts.horizon
+    )  # fmt: skip
+    return loss, metrics, hidden
 
 
 def _masked_mean(values: Tensor, mask: Tensor, tokens: Tensor) -> float:

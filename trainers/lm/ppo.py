@@ -16,7 +16,7 @@ import msgspec
 import torch
 from torch import Tensor, nn
 
-from corun import shared_count, shared_mean_std
+from corun import Rows, shared_mean_std
 from trainers.lm.engine import Rollouts
 from trainers.lm.policy import CausalPolicy, rollout_logprobs
 from trainers.lm.policy_gradient import (
@@ -27,7 +27,7 @@ from trainers.lm.policy_gradient import (
 )
 from trainers.lm.rl import LMPolicyTrainer
 from trainers.lm.settings import NonNegativeFloat
-from trainers.pg import aggregate, clipped_value_loss, gae
+from trainers.pg import clipped_value_loss, gae
 
 Unit = Annotated[float, msgspec.Meta(ge=0, le=1)]
 
@@ -81,17 +81,16 @@ class PPO(PolicyGradientAlgorithm[PPOConfig]):
         return PPOBatch(rollouts, old_values, advantages, returns)
 
     def rows_loss(
-        self, data: PPOBatch, rows: slice, policy_loss: PolicyLoss
+        self, data: PPOBatch, rows: Rows, policy_loss: PolicyLoss
     ) -> tuple[Tensor, dict[str, float]]:
         clipped, metrics, hidden = policy_loss(data.rollouts, rows, data.advantages[rows])
         values = self.value_head(hidden).squeeze(-1)
-        value_loss = aggregate(
+        value_loss = policy_loss.aggregate(
             clipped_value_loss(
                 values, data.old_values[rows], data.returns[rows], self.config.value_clip
             ),
             data.rollouts.response_mask[rows],
             "token-mean",
-            shared_count,
         )
         metrics["value_loss"] = float(value_loss.detach())
         metrics["policy_loss"] = float(clipped.detach())

@@ -123,15 +123,13 @@ class SFTTrainer(Trainer[SFTConfig]):
     def micro_batches(self, batch: Batch) -> int:
         return self.config.micro_batches
 
-    def loss(self, batch: Batch, part: Part) -> tuple[torch.Tensor, dict[str, float]]:
-        # Token mean over the whole mini-batch, not per chunk: the update is the same
-        # for any micro_batches (up to float rounding), and under torchrun the tokens of
-        # every rank's shard (shared_count).
+    def row_tokens(self, batch: Batch) -> list[int]:
         tokens: TokenBatch = batch.data
-        num_tokens = shared_count(tokens.loss_mask[part.mini_rows(len(tokens))].sum())
-        chunk = tokens.rows(part.rows(len(tokens)))
+        return tokens.lengths()
+
+    def loss(self, batch: Batch, part: Part) -> tuple[torch.Tensor, dict[str, float]]:
         self.model.train()
-        return masked_loss_sum(self.model(chunk.inputs), chunk) / num_tokens, {}
+        return token_mean_loss(self.model, batch.data, part), {}
 
     @torch.no_grad()
     def evaluate(self) -> dict[str, float]:
@@ -149,6 +147,18 @@ class SFTTrainer(Trainer[SFTConfig]):
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         load_policy_state(state, self.model, self.optimizer, self.config.task)
+
+
+def token_mean_loss(model: Any, tokens: TokenBatch, part: Part) -> torch.Tensor:
+    """``part``'s share of its mini-batch's teacher-forced token mean: divided by the
+    whole mini-batch's target tokens (under torchrun every rank's: shared_count), so
+    the update is the same however the mini-batch is split (``micro_batches``, or the
+    token budget's chunks, each cut to its longest row)."""
+    num_tokens = shared_count(tokens.loss_mask[part.mini_rows(len(tokens))].sum())
+    chunk = tokens.rows(part.rows(len(tokens)))
+    if part.split:
+        chunk = chunk.trimmed()
+    return masked_loss_sum(model(chunk.inputs), chunk) / num_tokens
 
 
 def masked_loss_sum(logits: torch.Tensor, tokens: TokenBatch) -> torch.Tensor:

@@ -142,8 +142,22 @@ class TokenBatch:
     def __len__(self) -> int:
         return self.inputs.shape[0]
 
-    def rows(self, rows: slice) -> TokenBatch:
+    def rows(self, rows: slice | Tensor) -> TokenBatch:
         return TokenBatch(self.inputs[rows], self.targets[rows], self.loss_mask[rows])
+
+    def lengths(self) -> list[int]:
+        """Each row's positions up to its last target: what a chunk cut to it computes."""
+        mask = self.loss_mask
+        positions = torch.arange(1, mask.shape[1] + 1, device=mask.device)
+        return torch.where(mask, positions, 0).amax(dim=1).tolist()
+
+    def trimmed(self) -> TokenBatch:
+        """The same rows cut to the longest one (at least one position): right padding
+        past every row's last target changes nothing a causal model computes there."""
+        width = max(1, *self.lengths())
+        return TokenBatch(
+            self.inputs[:, :width], self.targets[:, :width], self.loss_mask[:, :width]
+        )
 
 
 def encode_examples(examples: Sequence[Example]) -> TokenBatch:

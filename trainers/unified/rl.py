@@ -78,6 +78,8 @@ class TextGRPOSettings(msgspec.Struct, frozen=True, forbid_unknown_fields=True, 
     loss_agg: LossAggregation = "token-mean"
     adv_scope: AdvantageScope = "group"
     adv_std_norm: bool = True
+    # Memory: the most logits one log-prob pass holds at once (trainer.logits_chunk).
+    logits_chunk: Annotated[int, msgspec.Meta(ge=0)] = 1 << 24
 
 
 class UnifiedConfig(UnifiedSettings, frozen=True, forbid_unknown_fields=True, kw_only=True):
