@@ -189,6 +189,23 @@ async def test_two_ranks_equal_one_process(
     _assert_same(two_rank_runs[kind], tmp_path / "run")
 
 
+@pytest.mark.slow
+@pytest.mark.anyio
+@pytest.mark.parametrize("anyio_backend", ["asyncio"])  # the 2-rank run is a subprocess
+async def test_two_ranks_split_by_the_token_budget_equal_one_unsplit(
+    tmp_path: Path, anyio_backend: str
+) -> None:
+    """Each rank cuts its shard of 8 rows (8 to 14 tokens) into chunks of at most 40
+    tokens (about four: the ranks agree on the count), dividing by the token count of
+    both ranks' whole batch: the run is the unsplit one-process run."""
+    _, trainer = KINDS["grpo"]
+    tables = _tables(trainer, tmp_path / "two")
+    tables["loop"]["micro_batch_tokens"] = 40
+    _two_ranks(tables, tmp_path / "cfg.toml")
+    await _one_process("grpo", tmp_path / "one", loop={"micro_batch_tokens": 0})
+    _assert_same(tmp_path / "two", tmp_path / "one")
+
+
 def _resumable_copy(straight: Path, into: Path) -> Path:
     """The straight run as it was after step 2's checkpoint."""
     shutil.copytree(straight, into)

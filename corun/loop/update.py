@@ -42,6 +42,7 @@ from __future__ import annotations
 
 from collections import defaultdict
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -52,6 +53,7 @@ from corun.base.rng import update_generator
 from corun.contract.trainer import DEFAULT_OPTIMIZER, Batch, OptimizerSpec, Part, Trainer, overrides
 from corun.execution import distributed, parallel
 from corun.execution.compute import cancel_point
+from corun.loop.flops import FlopMeter
 from corun.loop.micro_batches import Chunks, agree_counts, plan_chunks, split_to
 from corun.loop.schedule import ScheduleName, apply_factor, lr_factor
 
@@ -73,12 +75,15 @@ class Updater:
         self.schedule, self.updates, self.warmup, self.final = schedule, updates, warmup, final
         self.prepares = overrides(trainer, "prepare")
         self.budget = micro_batch_tokens, micro_batch_rows
-        self.splits = overrides(trainer, "row_tokens") and any(self.budget)
+        self.measures_rows = overrides(trainer, "row_tokens")
+        self.splits = self.measures_rows and any(self.budget)
+        self.flops = FlopMeter()
+        self._work = 0.0  # this call's units of work (perf/mfu): tokens computed, or calls
         self.world = distributed.world()
         self.version = 0  # of the weights the current window's update starts from
         # The window's batches so far, with their update generators and chunk plans:
         # mini-batches after the first revisit them once the step before has been applied.
-        self._pending: list[tuple[Batch, torch.Generator, Plans]] = []
+        self._pending: list[tuple[Batch, torch.Generator, Pending]] = []
 
     @classmethod
     def of(
@@ -112,6 +117,16 @@ class Updater:
         starts from policy ``version``) and, if it ends the window, apply the update.
         Blocking: runs on the train lane."""
         self.version = version
+        self._work = 0.0
+        device = self.optimizers[0].params[0].device
+        metrics, mfu = self.flops.measure(
+            lambda: self._train_on_ranks(batch, window_pos), lambda: self._work, device
+        )
+        if mfu is not None:
+            metrics["perf/mfu"] = mfu
+        return metrics
+
+    def _train_on_ranks(self, batch: Batch, window_pos: int) -> dict[str, float]:
         if not self.world.parallel:
             return self._train(batch, window_pos)
         with distributed.collective_failures("the update's collectives"):
@@ -121,25 +136,23 @@ class Updater:
         if window_pos == 0:
             self._zero_grad()
             self._pending.clear()
-        plans = self._plan(batch)
+        lengths = self.trainer.row_tokens(batch) if self.measures_rows else None
+        plans = self._plan(batch, lengths)
         batch.split = bool(plans)
         if self.prepares:
             batch.data = self.trainer.prepare(batch)
         generator = update_generator(self.seed, batch.index)
-        self._pending.append((batch, generator, plans))
+        self._pending.append((batch, generator, Pending(plans, lengths)))
         sums = _MetricSums()
         # Nothing is applied yet: a stop here leaves the weights as they were.
-        self._backward(batch, 0, generator, plans, sums, cancellable=True)
+        self._backward(batch, 0, generator, Pending(plans, lengths), sums, cancellable=True)
         if window_pos == self.window - 1:
             self._step(sums)
             with distributed.uncancellable():  # a step has been applied
                 for mini in range(1, self.mini_batches):
                     self._zero_grad()
-                    for pending, pending_generator, pending_plans in self._pending:
-                        self._backward(
-                            pending, mini, pending_generator, pending_plans, sums,
-                            cancellable=False,
-                        )  # fmt: skip
+                    for pending, pending_generator, plan in self._pending:
+                        self._backward(pending, mini, pending_generator, plan, sums, False)
                     self._step(sums)
             self._pending.clear()
         if not self.world.parallel:
@@ -149,13 +162,11 @@ class Updater:
             means = distributed.mean_metrics(sums.means())
         return {**means, "perf/collective_time_s": distributed.take_collective_s()}
 
-    def _plan(self, batch: Batch) -> Plans:
-        """The token budget's chunks of each (mini-batch, micro-batch) of ``batch`` that
-        does not fit whole; agreed over the ranks (corun/loop/micro_batches.py)."""
-        if not self.splits:
-            return {}
-        lengths = self.trainer.row_tokens(batch)
-        if lengths is None:
+    def _plan(self, batch: Batch, lengths: Sequence[int] | None) -> Plans:
+        """The token budget's chunks of each (mini-batch, micro-batch) of ``batch`` (whose
+        rows cost ``lengths``) that does not fit whole; agreed over the ranks
+        (corun/loop/micro_batches.py)."""
+        if not self.splits or lengths is None:
             return {}
         micros = self.trainer.micro_batches(batch)
         parts = [(mini, micro) for mini in range(self.mini_batches) for micro in range(micros)]
@@ -178,13 +189,13 @@ class Updater:
         return plans
 
     def _backward(
-        self, batch: Batch, mini: int, generator: torch.Generator, plans: Plans,
+        self, batch: Batch, mini: int, generator: torch.Generator, pending: Pending,
         sums: _MetricSums, cancellable: bool,
     ) -> None:  # fmt: skip
         micros = self.trainer.micro_batches(batch)
         total = 0.0
         for micro in range(micros):
-            chunks = plans.get((mini, micro))
+            chunks = pending.plans.get((mini, micro))
             shares: dict[str, float] = defaultdict(float)
             for chunk, rows in enumerate(chunks or [None]):
                 if cancellable:
@@ -195,6 +206,7 @@ class Updater:
                 )  # fmt: skip
                 loss, metrics = self.trainer.loss(batch, part)
                 torch.autograd.backward(loss if self.window == 1 else loss / self.window)
+                self._work += pending.work(part)
                 total += float(loss.detach())
                 if chunks is None:  # whole: as returned
                     shares = dict(metrics)  # type: ignore[assignment]
@@ -230,6 +242,24 @@ class Updater:
 
 # A batch's chunks by (mini-batch, micro-batch); a part that fits whole is absent.
 Plans = dict[tuple[int, int], Chunks]
+
+
+@dataclass(frozen=True)
+class Pending:
+    """How a batch of the window is split, and its rows' lengths (None: not reported)."""
+
+    plans: Plans
+    lengths: Sequence[int] | None
+
+    def work(self, part: Part) -> float:
+        """What a loss call computed, for perf/mfu: its rows x its longest row, or 1."""
+        if self.lengths is None:
+            return 1.0
+        rows = part.rows(len(self.lengths))
+        picked = self.lengths[rows] if isinstance(rows, slice) else [
+            self.lengths[r] for r in rows.tolist()
+        ]  # fmt: skip
+        return float(len(picked) * max(picked, default=0))
 
 
 def _norm_key(optimizer: str) -> str:
