@@ -200,7 +200,7 @@ def _assert_split_equals_unsplit(
     micros = harness.trainer.micro_batches(batch)  # Flow-GRPO: one per trained step
     assert whole_calls == micros and split_calls >= 3 * micros, (micros, split_calls, lengths)
     assert whole.keys() == split.keys()
-    for key in whole:
+    for key in (k for k in whole if not k.startswith("perf/")):  # timings differ
         assert split[key] == pytest.approx(whole[key], rel=rtol, abs=atol), key
     assert any(float(g.abs().max()) > 0 for g in whole_grads)
     for a, b in zip(whole_grads, split_grads, strict=True):
@@ -267,7 +267,7 @@ def test_the_row_cap_and_the_token_budget_give_the_same_update(
     whole, whole_grads, _ = _update(harness, batch, "token-mean", tokens=0)
     capped, capped_grads, calls = _update(harness, batch, "token-mean", tokens=0, rows=3)
     assert calls == -(-len(harness.trainer.row_tokens(batch)) // 3)
-    for key in whole:
+    for key in (k for k in whole if not k.startswith("perf/")):
         assert capped[key] == pytest.approx(whole[key], rel=1e-10, abs=1e-10), key
     for a, b in zip(whole_grads, capped_grads, strict=True):
         torch.testing.assert_close(b, a, rtol=1e-10, atol=1e-10)

@@ -19,7 +19,7 @@ BLOCKS: list[tuple[str, str, list[str]]] = [
     ("The contract (`corun`)", "what every trainer is written against "
      "(docs/writing-a-trainer.md)", [
         "corun.Trainer", "corun.TrainerConfig", "corun.Batch", "corun.Part",
-        "corun.Part.rows", "corun.Part.mini_rows", "corun.Part.share",
+        "corun.Part.rows", "corun.Part.mini_rows", "corun.Part.share", "corun.Trainer.row_tokens",
         "corun.SetupContext.add_optimizer", "corun.SetupContext.on_teardown",
         "corun.SetupContext.keep_state", "corun.RolloutContext",
         "corun.cancel_point", "corun.shared_count", "corun.shared_mean_std",

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import inspect
 from collections.abc import Callable, Sequence
-from typing import Literal, Protocol
+from typing import Any, Literal, Protocol
 
 import torch
 from torch import Tensor, nn
@@ -129,15 +129,29 @@ def generate(
     return _generations(tokens, logprobs, versions, set(stop_ids), tops)
 
 
+# The most logits (positions x vocabulary entries) a scoring pass holds, beyond one
+# row's: what a trainer's log-prob passes hold (trainer.logits_chunk's default).
+SCORE_LOGITS = 1 << 24
+
+
 def score(
     policy: CausalLM, prompts: Sequence[Sequence[int]], completions: Sequence[Sequence[int]],
     pad_id: int,
 ) -> list[list[float]]:  # fmt: skip
     """Per completion, each token's log-prob (temperature 1) given its prompt and the
-    completion's tokens before it."""
-    rows = distributions(policy, prompts, completions, pad_id)
-    return [row.gather(-1, torch.tensor(c, dtype=torch.long)[:, None])[:, 0].tolist()
-            for row, c in zip(rows, completions, strict=True)]  # fmt: skip
+    completion's tokens before it; a few rows a pass, so that no pass holds more than
+    :data:`SCORE_LOGITS` logits unless one row does."""
+    width = max((len(p) + len(c) for p, c in zip(prompts, completions, strict=True)), default=1)
+    config: Any = policy.model.config
+    vocab = int(config.vocab_size)
+    rows_per_pass = max(1, SCORE_LOGITS // max(1, width * vocab))
+    scores = []
+    for start in range(0, len(prompts), rows_per_pass):
+        part = slice(start, start + rows_per_pass)
+        rows = distributions(policy, prompts[part], completions[part], pad_id)
+        scores += [row.gather(-1, torch.tensor(c, dtype=torch.long)[:, None])[:, 0].tolist()
+                   for row, c in zip(rows, completions[part], strict=True)]  # fmt: skip
+    return scores
 
 
 @torch.no_grad()

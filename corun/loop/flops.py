@@ -1,61 +1,78 @@
-"""``perf/mfu``: the update's achieved matmul FLOP/s over the machine's peak, both
-measured in the same run (the ratio torchtitan reports as MFU).
+"""``perf/mfu``: the update's model FLOP/s over the machine's matmul peak, both measured
+in the same run (torchtitan's MFU).
 
-The update's FLOPs are counted once, on its first call, by torch's ``FlopCounterMode``
-(the matmuls of forward, backward and any recomputation: what the hardware did),
-as FLOPs per unit of work — a token of the rows the passes computed, padding
-included, or a loss call for a trainer that reports no row lengths; later calls are
-estimated from their work, so counting costs one step, not every step. The peak is
-a square float32 matmul timed on the same thread and device, at the first call too.
+The update's FLOPs are the model's, as torchtitan counts them: 6 x the parameters of
+the modules the update trains (their frozen parts too, LoRA's base: backward runs
+through them), less their input embeddings (a lookup, not a matmul), per token of the
+rows the passes computed (padding included; a trainer that reports no row lengths
+gets no figure). Attention's own FLOPs and activation recomputation are not counted,
+so a run with activation checkpointing shows the model's rate, not the hardware's.
+The peak is a square float32 matmul timed on the update's thread and device once, at
+its first call (the update's threads are the lane's, fixed for the run).
 """
 
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
-from typing import TypeVar
+from collections.abc import Callable, Iterable
+from typing import Any, TypeVar
 
 import torch
-from torch.utils.flop_counter import FlopCounterMode
+from torch import nn
 
 T = TypeVar("T")
-PEAK_SIZE = 1024  # the timed matmul's side: big enough to reach the BLAS's speed
+PEAK_SIZE = 1024  # the timed matmul's side: large enough for the BLAS to reach its speed
 PEAK_REPEATS = 5
 
 
 class FlopMeter:
-    """Counts the first update's FLOPs and the peak; then MFU per call from its work."""
+    """MFU of each update call from its tokens and its time."""
 
-    def __init__(self) -> None:
-        self.per_unit: float | None = None  # FLOPs per unit of work, once counted
-        self.peak: float | None = None  # FLOP/s
+    def __init__(self, owner: Any, params: Iterable[nn.Parameter]) -> None:
+        self.flops_per_token = 6 * model_params(owner, params)
+        self.peak: float | None = None  # FLOP/s, measured at the first call
 
     def measure(
-        self, call: Callable[[], T], work: Callable[[], float], device: torch.device
+        self, call: Callable[[], T], tokens: Callable[[], float], device: torch.device
     ) -> tuple[T, float | None]:
-        """``call()``'s result and the MFU it achieved (None until it can be said):
-        ``work()`` is read after the call (the units it did)."""
-        if self.per_unit is None:
-            with FlopCounterMode(display=False) as counter:
-                result = call()
-            units = work()
-            if units > 0:
-                self.per_unit = counter.get_total_flops() / units
-                self.peak = matmul_peak(device)
-            return result, None
+        """``call()``'s result and the MFU it achieved (None without tokens to count):
+        ``tokens()`` is read after the call."""
+        if self.peak is None and self.flops_per_token:
+            self.peak = matmul_peak(device)
         started = time.perf_counter()
         result = call()
         elapsed = time.perf_counter() - started
-        if not self.peak or elapsed <= 0:
+        done = tokens()
+        if not self.peak or done <= 0 or elapsed <= 0:
             return result, None
-        return result, self.per_unit * work() / elapsed / self.peak
+        return result, self.flops_per_token * done / elapsed / self.peak
+
+
+def model_params(owner: Any, trained: Iterable[nn.Parameter]) -> int:
+    """Parameters of the modules among ``owner``'s attributes that hold a ``trained``
+    parameter, less their embeddings."""
+    wanted = {id(p) for p in trained}
+    modules = [
+        value for value in vars(owner).values()
+        if isinstance(value, nn.Module) and any(id(p) in wanted for p in value.parameters())
+    ]  # fmt: skip
+    seen: set[int] = set()
+    count = 0
+    for module in modules:
+        lookups = {id(p) for m in module.modules() if isinstance(m, nn.Embedding)
+                   for p in m.parameters()}  # fmt: skip
+        for p in module.parameters():
+            if id(p) not in seen and id(p) not in lookups:
+                seen.add(id(p))
+                count += p.numel()
+    return count
 
 
 def matmul_peak(device: torch.device) -> float:
     """FLOP/s of a float32 matmul of PEAK_SIZE² on ``device`` (this thread's torch threads
     on the CPU), the best of PEAK_REPEATS."""
-    a = torch.randn(PEAK_SIZE, PEAK_SIZE, device=device)
-    b = torch.randn(PEAK_SIZE, PEAK_SIZE, device=device)
+    generator = torch.Generator(device).manual_seed(0)  # not the global RNG's draws
+    a, b = (torch.rand(PEAK_SIZE, PEAK_SIZE, device=device, generator=generator) for _ in "ab")
     best = float("inf")
     for _ in range(PEAK_REPEATS + 1):  # the first warms up
         _synchronize(device)

@@ -77,8 +77,8 @@ class Updater:
         self.budget = micro_batch_tokens, micro_batch_rows
         self.measures_rows = overrides(trainer, "row_tokens")
         self.splits = self.measures_rows and any(self.budget)
-        self.flops = FlopMeter()
-        self._work = 0.0  # this call's units of work (perf/mfu): tokens computed, or calls
+        self.flops = FlopMeter(trainer, (p for spec in self.optimizers for p in spec.params))
+        self._tokens = 0.0  # this call's tokens computed (perf/mfu)
         self.world = distributed.world()
         self.version = 0  # of the weights the current window's update starts from
         # The window's batches so far, with their update generators and chunk plans:
@@ -117,10 +117,10 @@ class Updater:
         starts from policy ``version``) and, if it ends the window, apply the update.
         Blocking: runs on the train lane."""
         self.version = version
-        self._work = 0.0
+        self._tokens = 0.0
         device = self.optimizers[0].params[0].device
         metrics, mfu = self.flops.measure(
-            lambda: self._train_on_ranks(batch, window_pos), lambda: self._work, device
+            lambda: self._train_on_ranks(batch, window_pos), lambda: self._tokens, device
         )
         if mfu is not None:
             metrics["perf/mfu"] = mfu
@@ -206,10 +206,10 @@ class Updater:
                 )  # fmt: skip
                 loss, metrics = self.trainer.loss(batch, part)
                 torch.autograd.backward(loss if self.window == 1 else loss / self.window)
-                self._work += pending.work(part)
+                self._tokens += pending.tokens(part)
                 total += float(loss.detach())
                 if chunks is None:  # whole: as returned
-                    shares = dict(metrics)  # type: ignore[assignment]
+                    shares = dict(metrics)
                 else:  # a chunk's values are its shares of the micro-batch's
                     for key, value in metrics.items():
                         shares[key] += float(value)
@@ -251,10 +251,11 @@ class Pending:
     plans: Plans
     lengths: Sequence[int] | None
 
-    def work(self, part: Part) -> float:
-        """What a loss call computed, for perf/mfu: its rows x its longest row, or 1."""
+    def tokens(self, part: Part) -> float:
+        """What a loss call computed, for perf/mfu: its rows x its longest row (0 when
+        the lengths are not reported)."""
         if self.lengths is None:
-            return 1.0
+            return 0.0
         rows = part.rows(len(self.lengths))
         picked = self.lengths[rows] if isinstance(rows, slice) else [
             self.lengths[r] for r in rows.tolist()

@@ -63,6 +63,14 @@ class HFPolicy(nn.Module):
     def hidden_size(self) -> int:
         return int(self.model.config.hidden_size)
 
+    @property
+    def vocab_size(self) -> int:
+        """Rows of the output embedding: what the head computes logits over (the
+        config's ``vocab_size`` may differ where embeddings are padded)."""
+        lm_head = self.model.get_output_embeddings()
+        assert lm_head is not None
+        return int(lm_head.weight.shape[0])
+
     def num_params(self) -> int:
         return sum(p.numel() for p in self.parameters())
 
@@ -78,7 +86,8 @@ class HFPolicy(nn.Module):
         lm_head = self.model.get_output_embeddings()
         assert lm_head is not None
         logits: Tensor = lm_head(hidden)
-        return logits.float()  # log-probs in float32 whatever the compute precision
+        # Log-probs in float32 (at least) whatever the compute precision.
+        return logits if logits.dtype in (torch.float32, torch.float64) else logits.float()
 
     def forward(self, ids: Tensor, attention_mask: Tensor | None = None) -> Tensor:
         return self.head(self.hidden(ids, attention_mask))

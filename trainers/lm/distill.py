@@ -27,12 +27,11 @@ from dataclasses import dataclass
 from typing import Literal
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor, nn
 
 from corun import Rows
 from trainers.lm.engine import Rollouts
-from trainers.lm.policy import CausalPolicy
+from trainers.lm.policy import CausalPolicy, exact_reverse_kl
 from trainers.lm.policy_gradient import PolicyGradientAlgorithm, PolicyLoss, RLConfig, Scored
 from trainers.lm.settings import NonNegativeFloat
 from trainers.pg import group_advantages
@@ -99,7 +98,7 @@ class Distill(PolicyGradientAlgorithm[DistillConfig]):
 
     def exact_kl(self, hidden: Tensor, teacher: Tensor) -> Tensor:
         """KL(student ‖ teacher) at each response position, (rows, T): the student's
-        distribution is the sampled one (at the run's temperature)."""
-        logits = self.policy.head(hidden) / max(self.config.temperature, 1e-6)
-        student = F.log_softmax(logits.float(), dim=-1)
-        return (student.exp() * (student - teacher)).sum(dim=-1)
+        distribution is the sampled one (at the run's temperature), its logits a chunk
+        of positions at a time (trainer.logits_chunk)."""
+        cfg = self.config
+        return exact_reverse_kl(self.policy, hidden, teacher, cfg.temperature, cfg.logits_chunk)

@@ -18,6 +18,7 @@ import msgspec
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
+from torch.utils.checkpoint import checkpoint
 
 from corun.engines.decode import top_p_log_probs
 from corun.execution.compute import cancel_point
@@ -68,6 +69,10 @@ class Block(nn.Module):
 class TinyLM(nn.Module):
     """Decoder-only LM over token ids; ``forward`` gives next-token logits at every position."""
 
+    # Recompute each block's activations in the backward pass instead of keeping them
+    # (trainers/lm/policy.py's with_checkpointing): memory for a longer step.
+    checkpointing: bool = False
+
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
         self.config = config
@@ -89,6 +94,10 @@ class TinyLM(nn.Module):
     def hidden_size(self) -> int:
         return self.config.d_model
 
+    @property
+    def vocab_size(self) -> int:
+        return self.config.vocab_size
+
     def hidden(self, ids: Tensor, attention_mask: Tensor | None = None) -> Tensor:
         """Final hidden states (batch, length, d_model), after the last LayerNorm.
 
@@ -100,8 +109,9 @@ class TinyLM(nn.Module):
             raise ValueError(f"sequence of {length} tokens exceeds max_len {self.config.max_len}")
         positions = torch.arange(length, device=ids.device)
         x = self.tok(ids) + self.pos(positions)
+        recompute = self.checkpointing and self.training and torch.is_grad_enabled()
         for block in self.blocks:
-            x = block(x)
+            x = checkpoint(block, x, use_reentrant=False) if recompute else block(x)
         return self.ln_out(x)
 
     def head(self, hidden: Tensor) -> Tensor:

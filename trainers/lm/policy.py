@@ -1,15 +1,19 @@
 """Pieces every TinyLM trainer shares: building the policy, warm-starting it from a
-checkpoint, held-out greedy evaluation, and per-token log-probs of responses."""
+checkpoint, activation checkpointing, held-out greedy evaluation, and per-token
+log-probs of responses (and the exact reverse KL to a teacher), computed a chunk of
+positions at a time when the whole batch's logits would be too large."""
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
+from functools import partial
 from typing import Any, Protocol, TypeVar
 
 import msgspec
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
+from torch.utils.checkpoint import checkpoint
 
 from corun.base.errors import CheckpointError
 from corun.execution import parallel
@@ -46,6 +50,16 @@ def policy_from(init_from: str) -> TinyLM:
 
 
 L = TypeVar("L", bound=TinyLM)
+
+# LMTrainerConfig.logits_chunk's default: 16M logits, 64 MiB in float32.
+LOGITS_CHUNK = 1 << 24
+
+
+def with_checkpointing(model: L, enabled: bool) -> L:
+    """``model`` recomputing each block's activations in the backward pass instead of
+    keeping them, when ``enabled`` (memory for compute; in place). Returns ``model``."""
+    model.checkpointing = enabled
+    return model
 
 
 def sharded(model: L, strategy: parallel.Strategy) -> L:
@@ -123,6 +137,11 @@ class CausalPolicy(Protocol):
     @property
     def hidden_size(self) -> int: ...
 
+    @property
+    def vocab_size(self) -> int:
+        """The head's output size: the logits' last dimension."""
+        ...
+
     def hidden(self, ids: Tensor, attention_mask: Tensor | None = None) -> Tensor: ...
 
     def head(self, hidden: Tensor) -> Tensor: ...
@@ -130,7 +149,7 @@ class CausalPolicy(Protocol):
 
 def response_logprobs(
     model: CausalPolicy, sequences: Tensor, prompt_len: int, temperature: float,
-    attention_mask: Tensor | None = None,
+    attention_mask: Tensor | None = None, chunk: int = LOGITS_CHUNK,
 ) -> tuple[Tensor, Tensor, Tensor]:  # fmt: skip
     """Per-token log-probs and entropies of the response part of ``sequences``.
 
@@ -138,23 +157,108 @@ def response_logprobs(
     behaviour log-probs is 1 for unchanged weights. ``attention_mask`` marks the real
     tokens of left-padded prompts. Returns (logp, entropy, hidden) over the T response
     positions; ``hidden`` feeds a value head.
+
+    ``chunk`` bounds the logits (positions x vocabulary entries) held at once: a batch
+    with more is computed a few positions at a time (see :func:`in_chunks`); 0 or a
+    batch within it computes all positions at once.
     """
-    inputs = sequences[:, :-1]
-    mask = None if attention_mask is None else attention_mask[:, :-1]
-    hidden = model.hidden(inputs, mask)[:, prompt_len - 1 :]
-    logits = model.head(hidden) / max(temperature, 1e-6)
-    log_dist = F.log_softmax(logits, dim=-1)
+    hidden = response_hidden(model, sequences, prompt_len, attention_mask)
     targets = sequences[:, prompt_len:]
-    logp = log_dist.gather(-1, targets[..., None]).squeeze(-1)
-    entropy = -(log_dist.exp() * log_dist).sum(dim=-1)
+    stats = partial(_token_stats, model.head, max(temperature, 1e-6))
+    size = chunk_positions(targets.numel(), model.vocab_size, chunk)
+    if size is None:  # one pass, as before chunks: the same numbers bit for bit
+        logp, entropy = stats(hidden, targets)
+    else:
+        logp, entropy = in_chunks(stats, size, hidden, targets)
     return logp, entropy, hidden
 
 
+def response_hidden(
+    model: CausalPolicy, sequences: Tensor, prompt_len: int, attention_mask: Tensor | None = None
+) -> Tensor:
+    """The hidden states that predict the response part of ``sequences`` (rows, T, d):
+    a value head's input, and the head's for :func:`response_logprobs`."""
+    mask = None if attention_mask is None else attention_mask[:, :-1]
+    return model.hidden(sequences[:, :-1], mask)[:, prompt_len - 1 :]
+
+
+def rollout_hidden(model: CausalPolicy, rollouts: Rollouts) -> Tensor:
+    """:func:`response_hidden` of a batch of rollouts: no logits computed."""
+    return response_hidden(
+        model, rollouts.sequences, rollouts.prompt_ids.shape[1], rollouts.attention_mask
+    )
+
+
 def rollout_logprobs(
-    model: CausalPolicy, rollouts: Rollouts, temperature: float
+    model: CausalPolicy, rollouts: Rollouts, temperature: float, chunk: int = LOGITS_CHUNK
 ) -> tuple[Tensor, Tensor, Tensor]:
     """:func:`response_logprobs` of a batch of rollouts."""
     return response_logprobs(
         model, rollouts.sequences, rollouts.prompt_ids.shape[1], temperature,
-        rollouts.attention_mask,
+        rollouts.attention_mask, chunk,
     )  # fmt: skip
+
+
+def exact_reverse_kl(
+    model: CausalPolicy, hidden: Tensor, teacher_rows: Tensor, temperature: float,
+    chunk: int = LOGITS_CHUNK,
+) -> Tensor:  # fmt: skip
+    """KL(student ‖ teacher) at each position of ``hidden`` (rows, T, d), exactly over
+    the vocabulary: Σ_v S(v)·(log S(v) − T(v)), S the student's distribution at
+    ``temperature`` (in float32), ``teacher_rows`` (rows, T, vocab) the teacher's
+    log-probs. Returns (rows, T); ``chunk`` as in :func:`response_logprobs`."""
+    kl = partial(_reverse_kl, model.head, max(temperature, 1e-6))
+    size = chunk_positions(hidden.shape[:-1].numel(), teacher_rows.shape[-1], chunk)
+    if size is None:
+        return kl(hidden, teacher_rows)[0]
+    return in_chunks(kl, size, hidden, teacher_rows)[0]
+
+
+def chunk_positions(positions: int, vocab: int, chunk: int) -> int | None:
+    """How many positions one pass of at most ``chunk`` logits takes (at least 1);
+    None when all ``positions`` fit (or ``chunk`` is 0): one pass, no chunks."""
+    if chunk == 0 or positions * vocab <= chunk:
+        return None
+    return max(1, chunk // vocab)
+
+
+def in_chunks(
+    fn: Callable[..., tuple[Tensor, ...]], size: int, *inputs: Tensor
+) -> tuple[Tensor, ...]:
+    """``fn`` over the (rows, T) leading positions of ``inputs``, ``size`` flattened
+    positions at a time; returns its outputs (a value per position) as (rows, T).
+
+    With gradients on, each chunk is checkpointed: autograd keeps only the chunk's
+    inputs, and backward recomputes its logits, so no pass, forward or backward, holds
+    more than one chunk's.
+    """
+    shape = inputs[0].shape[:2]
+    flat = [x.reshape(shape.numel(), *x.shape[2:]) for x in inputs]
+    parts: list[tuple[Tensor, ...]] = []
+    for start in range(0, shape.numel(), size):
+        args = [x[start : start + size] for x in flat]
+        if torch.is_grad_enabled():
+            parts.append(checkpoint(fn, *args, use_reentrant=False))
+        else:
+            parts.append(fn(*args))
+    return tuple(torch.cat(outputs).view(shape) for outputs in zip(*parts, strict=True))
+
+
+def _token_stats(
+    head: Callable[[Tensor], Tensor], temperature: float, hidden: Tensor, targets: Tensor
+) -> tuple[Tensor, Tensor]:
+    """The log-prob of each ``targets`` token and the entropy at each position."""
+    logits = head(hidden) / temperature
+    log_dist = F.log_softmax(logits, dim=-1)
+    logp = log_dist.gather(-1, targets[..., None]).squeeze(-1)
+    entropy = -(log_dist.exp() * log_dist).sum(dim=-1)
+    return logp, entropy
+
+
+def _reverse_kl(
+    head: Callable[[Tensor], Tensor], temperature: float, hidden: Tensor, teacher: Tensor
+) -> tuple[Tensor]:
+    logits = head(hidden) / temperature
+    # float32 at least, whatever the compute precision (float64 stays float64)
+    student = F.log_softmax(logits.to(torch.promote_types(logits.dtype, torch.float32)), dim=-1)
+    return ((student.exp() * (student - teacher)).sum(dim=-1),)

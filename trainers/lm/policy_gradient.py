@@ -594,11 +594,8 @@ def clipped_policy_loss(
         metrics["kl"] = _masked_mean(kl_k3(logp.detach(), rollouts.logprobs), mask, tokens)
     if gap is not None:
         metrics |= gap.batch_metrics(logp.detach(), anchor, rollouts, counts, corrected)
-    if counts is None:
-        return aggregate(loss_tok, keep, settings.loss_agg, shared_count), metrics, hidden
-    loss = aggregate(
-        loss_tok, keep, settings.loss_agg, shared_count, counts.keep, counts.horizon
-    )  # fmt: skip
+    whole, horizon = (None, None) if counts is None else (counts.keep, counts.horizon)
+    loss = aggregate(loss_tok, keep, settings.loss_agg, shared_count, whole, horizon)
     return loss, metrics, hidden
 
 

@@ -18,7 +18,7 @@ from torch import Tensor, nn
 
 from corun import Rows, shared_mean_std
 from trainers.lm.engine import Rollouts
-from trainers.lm.policy import CausalPolicy, rollout_logprobs
+from trainers.lm.policy import CausalPolicy, rollout_hidden
 from trainers.lm.policy_gradient import (
     PolicyGradientAlgorithm,
     PolicyLoss,
@@ -64,7 +64,7 @@ class PPO(PolicyGradientAlgorithm[PPOConfig]):
     @torch.no_grad()
     def prepare(self, scored: Scored, policy: CausalPolicy) -> PPOBatch:
         rollouts, cfg = scored.rollouts, self.config
-        _, _, hidden = rollout_logprobs(policy, rollouts, cfg.temperature)
+        hidden = rollout_hidden(policy, rollouts)
         mask = rollouts.response_mask
         old_values = self.value_head(hidden).squeeze(-1) * mask
         # Each response's final token (its last trained one: a multi-turn transcript has

@@ -25,6 +25,7 @@ from trainers.lm.policy import (
     policy_from,
     policy_state,
     sharded,
+    with_checkpointing,
 )
 from trainers.lm.policy_gradient import C, PolicyGradientTrainer, Scored
 from trainers.lm.tasks import TASKS, Task, TaskData, decode_responses, encode_prompts
@@ -60,6 +61,7 @@ class TinyLMPolicyGradient(ReplicatedRollouts, PolicyGradientTrainer[C]):
 
     def trained_policy(self, policy: TinyLM) -> TinyLM:
         self.engine_source = whole_copy(policy)
+        policy = with_checkpointing(policy, self.config.activation_checkpointing)
         return sharded(policy, self.run_config.run.parallel)
 
     def initial_policy(self) -> TinyLM:

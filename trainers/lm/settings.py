@@ -27,6 +27,9 @@ class LMTrainerConfig(TrainerConfig, frozen=True, forbid_unknown_fields=True, kw
     # at once; longer batches are computed in chunks of positions, and backward
     # recomputes each chunk. 0: the whole batch at once.
     logits_chunk: Annotated[int, msgspec.Meta(ge=0)] = 1 << 24
+    # Memory: recompute each block's activations in the backward pass instead of keeping
+    # them, for a longer step (a TinyLM policy; hf kinds: their own key of this name).
+    activation_checkpointing: bool = False
 
     def __post_init__(self) -> None:
         if self.d_model % self.n_heads:

@@ -32,6 +32,7 @@ from trainers.lm.policy import (
     load_policy_state,
     policy_state,
     sharded,
+    with_checkpointing,
 )
 from trainers.lm.settings import LMTrainerConfig, NonNegativeFloat, PositiveInt
 from trainers.lm.tasks import (
@@ -87,6 +88,7 @@ class SFTTrainer(Trainer[SFTConfig]):
         # On the run's device before sharding and the optimizer.
         self.device = ctx.device
         model = build_policy(cfg.d_model, cfg.n_layers, cfg.n_heads).to(self.device)
+        model = with_checkpointing(model, cfg.activation_checkpointing)
         self.model = sharded(model, ctx.config.run.parallel)
         self.setup_optimizer(ctx)
         # Built once: the held-out set is fixed, and building it draws no global randomness.
