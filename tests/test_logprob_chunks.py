@@ -36,6 +36,8 @@ from trainers.lm.policy import (
     with_checkpointing,
 )
 from trainers.lm.settings import LMTrainerConfig
+from trainers.lm.sft import masked_loss_sum, target_loss_sum
+from trainers.lm.tasks import encode_examples
 
 VOCAB = 200
 ROWS, PROMPT, RESPONSE = 5, 3, 7  # 35 response positions: not a multiple of 3
@@ -399,3 +401,25 @@ def test_a_teachers_scores_come_a_few_rows_a_pass(
     assert passes == [2, 2]
     for a, b in zip(whole, split, strict=True):
         assert b == pytest.approx(a, abs=1e-5)
+
+
+def test_teacher_forcing_loss_in_chunks_equals_the_whole_logits_cross_entropy() -> None:
+    """SFT's loss (target_loss_sum): chunked, the same value and gradients as the
+    cross-entropy of the whole logits; in one pass, the same bits."""
+    model = tiny_lm()
+    tokens = encode_examples([("12+34=", "46"), ("5+6=", "11"), ("7+8=", "15")])
+
+    def loss_and_grads(compute: Callable[[], Tensor]) -> tuple[Tensor, list[Tensor]]:
+        model.zero_grad(set_to_none=True)
+        loss = compute()
+        loss.backward()
+        return loss.detach(), [p.grad.clone() for p in model.parameters() if p.grad is not None]
+
+    whole = loss_and_grads(lambda: masked_loss_sum(model(tokens.inputs), tokens))
+    one_pass = loss_and_grads(lambda: target_loss_sum(model, tokens, 0))
+    chunked = loss_and_grads(lambda: target_loss_sum(model, tokens, VOCAB * CHUNK))
+    assert torch.equal(one_pass[0], whole[0])
+    assert all(torch.equal(a, b) for a, b in zip(one_pass[1], whole[1], strict=True))
+    torch.testing.assert_close(chunked[0], whole[0], rtol=1e-6, atol=1e-6)
+    for grad, grad0 in zip(chunked[1], whole[1], strict=True):
+        torch.testing.assert_close(grad, grad0, rtol=1e-6, atol=1e-6)

@@ -26,7 +26,7 @@ from trainers.hf.tasks import Example, WordProblems, eval_problems, prompt_batch
 from trainers.hf.tinker import HFTrainingBackend, training_backend
 from trainers.hf.training import prepare_policy
 from trainers.lm.settings import PositiveInt
-from trainers.lm.sft import SFTConfig, SFTTrainer, masked_loss_sum
+from trainers.lm.sft import SFTConfig, SFTTrainer, target_loss_sum
 from trainers.lm.tasks import TokenBatch, teacher_forcing
 from trainers.weights import to_device
 
@@ -115,7 +115,7 @@ class HFSFTTrainer(SFTTrainer):
             with torch.no_grad():
                 self.model.eval()
                 return float(
-                    masked_loss_sum(self.model(tokens.inputs), tokens) / tokens.loss_mask.sum()
+                    target_loss_sum(self.model, tokens, cfg.logits_chunk) / tokens.loss_mask.sum()
                 )
 
         value = loss() if self.train_lane is None else await self.train_lane.run(loss)

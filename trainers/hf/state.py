@@ -50,7 +50,8 @@ def hf_state(
     empty: dict[str, Any] = {"state": {}, "param_groups": []}
     return {
         "model": weights,
-        "optimizer": empty if optimizer is None
+        "optimizer": empty
+        if optimizer is None
         else get_optimizer_state_dict(_trained(policy, modules), optimizer),
         "model_config": policy.config_json(),
         "model_source": str(policy.source),

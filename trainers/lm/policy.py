@@ -214,6 +214,17 @@ def exact_reverse_kl(
     return in_chunks(kl, size, hidden, teacher_rows)[0]
 
 
+def target_logprobs(
+    model: CausalPolicy, hidden: Tensor, targets: Tensor, chunk: int = LOGITS_CHUNK
+) -> Tensor:
+    """Each ``targets`` token's log-prob (temperature 1) from ``hidden`` (rows, T, d), as
+    teacher forcing reads them; ``chunk`` as in :func:`response_logprobs`."""
+    size = chunk_positions(targets.numel(), model.vocab_size, chunk)
+    if size is None:
+        return _target_logp(model.head, hidden, targets)[0]
+    return in_chunks(partial(_target_logp, model.head), size, hidden, targets)[0]
+
+
 def chunk_positions(positions: int, vocab: int, chunk: int) -> int | None:
     """How many positions one pass of at most ``chunk`` logits takes (at least 1);
     None when all ``positions`` fit (or ``chunk`` is 0): one pass, no chunks."""
@@ -253,6 +264,13 @@ def _token_stats(
     logp = log_dist.gather(-1, targets[..., None]).squeeze(-1)
     entropy = -(log_dist.exp() * log_dist).sum(dim=-1)
     return logp, entropy
+
+
+def _target_logp(
+    head: Callable[[Tensor], Tensor], hidden: Tensor, targets: Tensor
+) -> tuple[Tensor]:
+    log_dist = F.log_softmax(head(hidden), dim=-1)
+    return (log_dist.gather(-1, targets[..., None]).squeeze(-1),)
 
 
 def _reverse_kl(

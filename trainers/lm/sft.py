@@ -26,12 +26,15 @@ from corun import (
     shared_count,
 )
 from trainers.lm.policy import (
+    LOGITS_CHUNK,
+    CausalPolicy,
     HeldOutEval,
     build_policy,
     load_policy,
     load_policy_state,
     policy_state,
     sharded,
+    target_logprobs,
     with_checkpointing,
 )
 from trainers.lm.settings import LMTrainerConfig, NonNegativeFloat, PositiveInt
@@ -131,14 +134,15 @@ class SFTTrainer(Trainer[SFTConfig]):
 
     def loss(self, batch: Batch, part: Part) -> tuple[torch.Tensor, dict[str, float]]:
         self.model.train()
-        return token_mean_loss(self.model, batch.data, part), {}
+        return token_mean_loss(self.model, batch.data, part, self.config.logits_chunk), {}
 
     @torch.no_grad()
     def evaluate(self) -> dict[str, float]:
         """Greedy exact match, mean reward and masked loss on the held-out set."""
+        cfg = self.config
         self.model.eval()
         tokens = self.eval_tokens
-        loss = masked_loss_sum(self.model(tokens.inputs), tokens) / tokens.loss_mask.sum()
+        loss = target_loss_sum(self.model, tokens, cfg.logits_chunk) / tokens.loss_mask.sum()
         return {"eval/loss": float(loss), **self.held_out(self.model)}
 
     def wandb_extra(self) -> dict[str, Any]:
@@ -151,7 +155,9 @@ class SFTTrainer(Trainer[SFTConfig]):
         load_policy_state(state, self.model, self.optimizer, self.config.task)
 
 
-def token_mean_loss(model: Any, tokens: TokenBatch, part: Part) -> torch.Tensor:
+def token_mean_loss(
+    model: CausalPolicy, tokens: TokenBatch, part: Part, chunk_logits: int = LOGITS_CHUNK
+) -> torch.Tensor:
     """``part``'s share of its mini-batch's teacher-forced token mean: divided by the
     whole mini-batch's target tokens (under torchrun every rank's: shared_count), so
     the update is the same however the mini-batch is split (``micro_batches``, or the
@@ -160,7 +166,14 @@ def token_mean_loss(model: Any, tokens: TokenBatch, part: Part) -> torch.Tensor:
     chunk = tokens.rows(part.rows(len(tokens)))
     if part.split:
         chunk = chunk.trimmed()
-    return masked_loss_sum(model(chunk.inputs), chunk) / num_tokens
+    return target_loss_sum(model, chunk, chunk_logits) / num_tokens
+
+
+def target_loss_sum(model: CausalPolicy, tokens: TokenBatch, chunk: int) -> torch.Tensor:
+    """:func:`masked_loss_sum` of ``model``'s logits, a chunk of ``chunk`` logits at a
+    time (trainer.logits_chunk): the whole (rows x length x vocabulary) never exists."""
+    logp = target_logprobs(model, model.hidden(tokens.inputs), tokens.targets, chunk)
+    return -(logp * tokens.loss_mask).sum()
 
 
 def masked_loss_sum(logits: torch.Tensor, tokens: TokenBatch) -> torch.Tensor:
