@@ -296,3 +296,21 @@ async def test_sft_warm_start_learns(tmp_path: Path, anyio_backend: str) -> None
     first, last = evals[0], evals[-1]
     assert last["step"] == 100
     assert last["eval/reward"] - first["eval/reward"] > 3 * last["eval/reward_se"], evals
+
+
+@pytest.mark.parametrize(("concurrency", "shared"), [(1, True), (2, False)])
+async def test_a_synchronous_runs_engine_samples_from_the_policys_own_weights(
+    tmp_path: Path, anyio_backend: str, concurrency: int, shared: bool
+) -> None:
+    """At concurrency 1 generation and updates alternate on one lane: the transformers
+    engine holds no copy of the weights (one copy less), and every sync's fingerprint
+    still checks. With rollouts in flight during updates it keeps its own copy."""
+    config = _config(tmp_path / "run", "hf_grpo", 2, loop={"concurrency": concurrency})
+    trainer: Any = await _run(config)
+    engine = trainer.engine.inner
+    assert engine.shared is shared
+    policy_weights = {p.data_ptr() for p in trainer.policy.model.parameters()}
+    engine_weights = {p.data_ptr() for p in engine.model.parameters()}
+    assert (engine_weights == policy_weights) is shared
+    assert not engine_weights & policy_weights or shared
+    assert set(trainer.fingerprints) == {0, 1, 2}  # every sync verified

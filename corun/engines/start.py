@@ -46,6 +46,7 @@ from corun.engines.options import (
     engine_dtype,
 )
 from corun.engines.weight_transfer import backend_for
+from corun.execution import distributed
 from corun.loop.deadlines import BoundedEngine, deadline
 from corun.loop.lanes import lane as run_lane
 
@@ -163,6 +164,23 @@ def check_placement(options: EngineOptions, ctx: SetupContext, where: str = WHER
         raise ConfigError(f"`$.{where}.devices` = {options.devices}: a device named twice")
 
 
+def shares_weights(policy: Policy, options: EngineOptions, ctx: SetupContext, role: str) -> bool:
+    """Whether a local engine can sample from the policy's own parameters instead of a
+    copy of them (one copy of the weights less): only where nothing can read them while
+    an update changes them — a teacher's (never trained), or a synchronous run's
+    (concurrency 1: generation and updates alternate on the train lane) with no
+    endpoint or other server beside it — and where the engine would hold them as the
+    policy does: the same precision, whole (one process), no LoRA adapter to swap."""
+    dtypes = {p.dtype for p in policy.model.parameters() if p.is_floating_point()}
+    plain = not any(hasattr(m, "lora_A") for m in policy.model.modules())
+    alike = dtypes == {engine_dtype(options)} and plain and not distributed.world().parallel
+    if role == "teacher":
+        return alike
+    config = ctx.config
+    serving = config.serve.enabled or config.serve.tinker or config.serve.fleet
+    return alike and config.loop.concurrency == 1 and not serving
+
+
 async def _start(
     kind: EngineKind, options: EngineOptions, policy: Policy, pad_id: int,
     ctx: SetupContext, interrupt: bool, role: str = "engine",
@@ -178,7 +196,7 @@ async def _start(
         assert lane is not None
         return TransformersEngine(
             policy, pad_id, lane, owns_lane=not shared, interrupt=interrupt,
-            dtype=engine_dtype(options),
+            dtype=engine_dtype(options), shared=shares_weights(policy, options, ctx, role),
         )  # fmt: skip
     if kind == "remote":
         from corun.engines.fleet import FleetEngine

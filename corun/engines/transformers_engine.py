@@ -64,14 +64,19 @@ class TransformersEngine:
 
     def __init__(
         self, policy: decode.CausalLM, pad_id: int, lane: Lane, *, owns_lane: bool,
-        interrupt: bool, dtype: torch.dtype | None = None,
+        interrupt: bool, dtype: torch.dtype | None = None, shared: bool = False,
     ) -> None:  # fmt: skip
+        # ``shared``: the policy's own model, not a copy (a synchronous run, where
+        # generation and updates alternate on one lane: see start.py's shares_weights).
+        # A weight update then has nothing to copy; it only advances the version.
+        self.shared = shared
         # On the policy's device (the run's): generation computes there.
-        self.model = copy.deepcopy(policy.model).eval()
+        self.model = policy.model if shared else copy.deepcopy(policy.model).eval()
         self.device = next(self.model.parameters()).device
-        for parameter in self.model.parameters():
-            parameter.requires_grad_(False)
-        if dtype is not None:
+        if not shared:
+            for parameter in self.model.parameters():
+                parameter.requires_grad_(False)
+        if dtype is not None and not shared:
             _cast(self.model, dtype)
         self.dtype = dtype
         state = self.model.state_dict()
@@ -151,7 +156,10 @@ class TransformersEngine:
     def _load(self, update: _Update) -> None:
         """Copy ``update`` into the model tensor by tensor, in the order it yields them:
         a state gathered from shards as it is read (corun/execution/parallel.py) is
-        never held whole beside the model."""
+        never held whole beside the model. A shared model has the weights already."""
+        if self.shared:
+            self._version = update.version
+            return
         own = self.model.state_dict()  # the model's tensors themselves (detached views)
         loaded = set()
         with torch.no_grad():
