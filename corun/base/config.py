@@ -123,8 +123,9 @@ class LoopConfig(Section, frozen=True, forbid_unknown_fields=True, kw_only=True)
     # micro-batches of rows grouped by length, each cut to its own longest row, under
     # this budget (a row over it goes alone); their gradients add up to the unsplit
     # update's. 0: never split. A smaller budget holds less and takes longer
-    # (docs/memory.md).
-    micro_batch_tokens: NonNegativeInt = 16384
+    # (docs/memory.md). The default fits every shipped recipe's batch whole (the
+    # longest, hf_agentic's 64 multi-turn rows, comes to ~16k tokens).
+    micro_batch_tokens: NonNegativeInt = 32768
     # And at most this many rows per micro-batch (0: no cap).
     micro_batch_rows: NonNegativeInt = 0
     # Which weights a rollout uses when concurrency > 1. "free": the latest published
