@@ -2,7 +2,7 @@
 shaped model (random weights) in bfloat16 through corun.execution.parallel (FSDP2 per
 decoder layer at world size > 1), a vLLM engine in bfloat16, and its weight syncs (full
 weights, then LoRA adapters), each verified by the engine's fingerprint; one table of
-step time, sync time and bytes, and peak GPU memory. About 3-5 minutes on one GPU::
+step time, sync time and bytes, and each row's peak GPU memory. About 3-5 minutes on one GPU::
 
     python benchmarks/gpu_check.py                # every GPU: torchrun for training
     python benchmarks/gpu_check.py --eager        # vLLM without CUDA graphs
@@ -86,11 +86,17 @@ def policy_with_lora(model_dir: Path, device: torch.device) -> Any:
     return policy.to(device)
 
 
-def peak_memory_mb() -> float:
-    """Peak GPU memory of this process's torch allocations (CPU: its peak RSS)."""
+def reset_gpu_peak() -> None:
+    """Start a row's peak GPU memory from what torch holds now."""
     if torch.cuda.is_available():
-        return torch.cuda.max_memory_allocated() / MB
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+        torch.cuda.reset_peak_memory_stats()
+
+
+def peak_memory() -> dict[str, float | None]:
+    """Peak GPU memory of this process's torch allocations since the last reset (None
+    without CUDA), and the process's peak RSS (never reset: the process's so far)."""
+    gpu = torch.cuda.max_memory_allocated() / MB if torch.cuda.is_available() else None
+    return {"gpu_mib": gpu, "rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}
 
 
 # ----------------------------------------------------------------------------- training
@@ -118,6 +124,7 @@ def train(model_dir: Path, grid: dict[str, Any], out: Path) -> None:
     optimizer = torch.optim.AdamW(trained, lr=1e-4)
     vocab, draw = grid["shape"]["vocab_size"], torch.Generator().manual_seed(world.rank)
     times = []
+    reset_gpu_peak()  # the steps' peak: the model held, AdamW's state and the activations
     for _ in range(grid["steps"]):
         ids = torch.randint(vocab, (grid["batch"] // max(world.size, 1), grid["seq"]),
                             generator=draw).to(device)  # fmt: skip
@@ -133,19 +140,25 @@ def train(model_dir: Path, grid: dict[str, Any], out: Path) -> None:
         times.append(time.perf_counter() - started)
     with torch.no_grad():  # what the forward computed in: autocast or FSDP's param_dtype
         computed = str(policy.hidden(ids[:1]).dtype).removeprefix("torch.")
-    peaks = [peak_memory_mb()]
+    peaks = [peak_memory()]
     if world.parallel:
-        peaks = [0.0] * world.size
-        dist.all_gather_object(peaks, peak_memory_mb())
+        peaks = [{}] * world.size
+        dist.all_gather_object(peaks, peak_memory())
     if world.rank == 0:
         out.write_text(json.dumps({
             "world": world.size, "sharded": parallel.is_sharded(policy), "times": times,
             "computed": computed,
-            "peak_mb": max(peaks), "loss": float(loss.detach()),
+            "peak": largest(peaks), "loss": float(loss.detach()),
             "trained": sum(p.numel() for p in trained),  # a DTensor's numel is the whole's
             "params": sum(p.numel() for p in policy.parameters()),
         }))  # fmt: skip
     distributed.finish(clean=True)
+
+
+def largest(peaks: list[dict[str, float | None]]) -> dict[str, float | None]:
+    """Each figure's largest over the ranks (None where none has one)."""
+    return {key: max((v for p in peaks if (v := p[key]) is not None), default=None)
+            for key in peaks[0]}  # fmt: skip
 
 
 # ----------------------------------------------------------------------------- syncs
@@ -162,7 +175,6 @@ async def syncs(model_dir: Path, grid: dict[str, Any], engine_kind: str, eager: 
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     if device.type == "cuda":
         torch.cuda.empty_cache()  # the build's
-        torch.cuda.reset_peak_memory_stats()
     policy = policy_with_lora(model_dir, device)
     options = EngineOptions(dtype=grid["dtype"], enforce_eager=eager or None,
                             lora_rank=LORA_RANK, max_loras=2)  # fmt: skip
@@ -173,6 +185,8 @@ async def syncs(model_dir: Path, grid: dict[str, Any], engine_kind: str, eager: 
         version = 0
         for kind in ("full", "adapter"):
             took, sent = [], 0
+            # Each kind's own peak, over the policy and the engine it holds now.
+            reset_gpu_peak()
             for _ in range(grid["syncs"]):
                 version += 1
                 perturb(policy, adapters=kind == "adapter", noise=noise)
@@ -184,9 +198,8 @@ async def syncs(model_dir: Path, grid: dict[str, Any], engine_kind: str, eager: 
                 started = time.perf_counter()
                 await sync_verified(engine, state, version, dtype=dtype, adapter=lora)
                 took.append(time.perf_counter() - started)
-            figures[kind] = {"times": took, "bytes": sent}
             figures[f"{kind}_generate_s"] = await generate(engine, version)
-        figures["peak_mb"] = peak_memory_mb()
+            figures[kind] = {"times": took, "bytes": sent, "peak": peak_memory()}
     finally:
         await engine.shutdown()
     return figures
@@ -250,6 +263,10 @@ def report(trained: dict[str, Any], synced: dict[str, Any], grid: dict[str, Any]
     def ms(times: list[float]) -> str:
         return fmt(1e3 * statistics.median(times[1:] or times), 1)
 
+    def peaks(figures: dict[str, Any]) -> list[str]:
+        gpu, rss = figures["peak"]["gpu_mib"], figures["peak"]["rss_mib"]
+        return ["-" if gpu is None else fmt(gpu, 0), fmt(rss, 0)]
+
     full, lora = synced["full"], synced["adapter"]
     rows = [
         ["train step", f"world size {trained['world']}, "
@@ -257,11 +274,11 @@ def report(trained: dict[str, Any], synced: dict[str, Any], grid: dict[str, Any]
          f"asked, {trained['computed']} computed, "
          f"LoRA r{LORA_RANK}: {trained['trained'] / 1e6:.2f}M of {trained['params'] / 1e6:.2f}M "
          f"parameters train, batch {grid['batch']} x {grid['seq']}", ms(trained["times"]), "-",
-         fmt(trained["peak_mb"], 0)],
+         *peaks(trained)],
         ["full-weight sync", f"{synced['engine']} engine, {grid['dtype']}, verified",
-         ms(full["times"]), fmt(full["bytes"] / MB, 1), fmt(synced["peak_mb"], 0)],
+         ms(full["times"]), fmt(full["bytes"] / MB, 1), *peaks(full)],
         ["adapter sync", f"{synced['engine']} engine, update_adapter, verified",
-         ms(lora["times"]), fmt(lora["bytes"] / MB, 2), fmt(synced["peak_mb"], 0)],
+         ms(lora["times"]), fmt(lora["bytes"] / MB, 2), *peaks(lora)],
     ]  # fmt: skip
     ratio = statistics.median(lora["times"][1:] or lora["times"]) / statistics.median(
         full["times"][1:] or full["times"]
@@ -269,10 +286,14 @@ def report(trained: dict[str, Any], synced: dict[str, Any], grid: dict[str, Any]
     where = torch.cuda.get_device_name() if torch.cuda.is_available() else "CPU (smoke)"
     table = Table(
         "gpu_check", "check", f"GPU check on {where}",
-        ["what", "how", "ms (median after the first)", "bytes sent, MB", "peak memory, MB"],
+        ["what", "how", "ms (median after the first)", "bytes sent, MB", "peak GPU MiB",
+         "peak RSS MiB"],
         rows, [("adapter sync", ratio)], "the full-weight sync",
-        [f"Peak memory: torch.cuda.max_memory_allocated of the process (training: the "
-         f"largest rank's; syncs: the policy and the in-process engine); on CPU, peak RSS. "
+        [f"Peak GPU MiB: torch.cuda.max_memory_allocated, reset before each row's work "
+         f"(training: its steps, the largest rank's; each kind of sync: its syncs and "
+         f"generation, with the policy and the in-process engine held); '-' without CUDA. "
+         f"Peak RSS MiB: the process's (the syncs share one process, so the adapter row's "
+         f"includes the full-weight row's). "
          f"Generation after the syncs: {fmt(1e3 * synced['full_generate_s'], 0)} ms "
          f"(full), {fmt(1e3 * synced['adapter_generate_s'], 0)} ms (adapter), 4 x 8 tokens."],
     )  # fmt: skip

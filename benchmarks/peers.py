@@ -175,11 +175,13 @@ def measured(command: list[str], env: dict[str, str]) -> float:
 
 
 def run_corun(
-    model: Path, steps: int, eval_every: int, out: Path, spinning: bool = False
-) -> dict[str, Any]:
+    model: Path, steps: int, eval_every: int, out: Path, spinning: bool = False,
+    overrides: Sequence[str] = (),
+) -> dict[str, Any]:  # fmt: skip
     """``corun train hf_grpo`` on the job; its figures (as :func:`run_trl`'s). With
     ``eval_every`` 0: speed alone (no evaluation, no final model); ``spinning``: with
-    ``OMP_WAIT_POLICY=ACTIVE`` (corun's default is passive)."""
+    ``OMP_WAIT_POLICY=ACTIVE`` (corun's default is passive); ``overrides``: settings
+    beside the job's (``loop.micro_batch_tokens=1024``)."""
     evals = [f"loop.eval_interval={eval_every}", f"trainer.eval_size={EVAL_SIZE}"]
     command = [
         sys.executable, "-m", "corun", "train", "hf_grpo", f"run.dir={out}",
@@ -187,6 +189,7 @@ def run_corun(
         "loop.lr_schedule=constant", f"loop.lane_threads={THREADS}",
         f"loop.save_interval={steps}", "log.progress=off",
         *(evals if eval_every else ["loop.eval_interval=0", "loop.baseline_eval=false"]),
+        *overrides,
     ]  # fmt: skip
     rss = measured(command, {**ENV, "OMP_WAIT_POLICY": "ACTIVE" if spinning else "PASSIVE"})
     step_times, curve = training_curve(out)

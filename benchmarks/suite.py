@@ -51,6 +51,7 @@ SUITES = {  # name: the module (benchmarks/<module>.py) whose `suite` it is
     "generation": "generation",
     "distill": "distill",
     "tinker_models": "tinker_models",
+    "memory": "memory",
 }
 GRIDS = ("full", "quick", "tiny")
 EXIT_USAGE, EXIT_INTERRUPTED = 2, 130
