@@ -33,12 +33,13 @@ import json
 import math
 import os
 import resource
-import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
 from typing import Any
+
+from benchmarks.peers import measured
 
 PROMPT_TOKENS = 22  # the built-in word problems' chat prompts: 21-22 tokens
 SAMPLES = 8  # per prompt, as configs/hf_grpo.toml
@@ -192,21 +193,13 @@ def train_command(model: Path, rows: int, tokens: int, run_dir: Path, before: bo
 def end_to_end(model: Path, rows: int, tokens: int, run_dir: Path, before: bool) -> dict[str, Any]:
     """The ``corun train`` run in a child process (this one stays small: no torch)."""
     command = train_command(model, rows, tokens, run_dir, before)
-    env = {**os.environ, "WANDB_MODE": "disabled"}
     started = time.perf_counter()
-    with subprocess.Popen(command, env=env, stdout=subprocess.DEVNULL,
-                          stderr=subprocess.PIPE, text=True) as proc:  # fmt: skip
-        assert proc.stderr is not None
-        stderr = proc.stderr.read()
-        _, status, usage = os.wait4(proc.pid, 0)
-        proc.returncode = os.waitstatus_to_exitcode(status)
+    rss_mib = measured(command, {**os.environ, "WANDB_MODE": "disabled"})
     wall = time.perf_counter() - started
-    if proc.returncode != 0:
-        raise RuntimeError(f"corun train exited {proc.returncode}:\n{stderr[-3000:]}")
     return {"rows": rows, "tokens": rows * tokens, "response_tokens": tokens,
             "vocab": vocab_of(model), "settings": chosen(before),
             "update_s": train_seconds(run_dir), "wall_s": wall,
-            "rss_mib": usage.ru_maxrss / 1024}  # fmt: skip
+            "rss_mib": rss_mib}  # fmt: skip
 
 
 def vocab_of(model: Path) -> int:

@@ -12,6 +12,8 @@ from typing import Any
 
 import pytest
 
+from tests.support.processes import processes_with
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -53,19 +55,7 @@ def test_engines_benchmark_quick(tmp_path: Path) -> None:
     }
     assert all(g["tokens_per_s"] > 0 for g in figures["generation"])
     assert figures["grpo"]["intervals"] >= 1
-    assert _processes_with(f"CORUN_BENCHMARK_TAG={tag}".encode()) == []
-
-
-def _processes_with(entry: bytes) -> list[int]:
-    """Live processes whose environment holds ``entry`` (children inherit it)."""
-    found = []
-    for proc in Path("/proc").iterdir():
-        try:
-            if proc.name.isdigit() and entry in (proc / "environ").read_bytes().split(b"\0"):
-                found.append(int(proc.name))
-        except OSError:  # gone, or not ours to read
-            pass
-    return found
+    assert processes_with(f"CORUN_BENCHMARK_TAG={tag}".encode()) == []
 
 
 @pytest.mark.slow
@@ -78,7 +68,7 @@ def test_ray_workers_benchmark_quick(tmp_path: Path) -> None:
     assert "ray/thread" in stdout and "put/in-process" in stdout
     (row,) = figures["rows"]
     assert row["thread_ms"] > 0 and row["ray_ms"] > 0 and row["put_ms"] > 0
-    assert _processes_with(f"CORUN_BENCHMARK_TAG={tag}".encode()) == []
+    assert processes_with(f"CORUN_BENCHMARK_TAG={tag}".encode()) == []
 
 
 def _quick_benchmark(name: str, tmp_path: Path, timeout: float) -> tuple[str, Any, str]:
@@ -145,7 +135,7 @@ def test_parallel_benchmark_tiny(tmp_path: Path) -> None:
     assert full["sync_ms"] > 0 and lora["sync_ms"] > 0
     assert 0 < lora["weight_bytes"] < full["weight_bytes"]
     assert [len(run["peaks_mb"]) for run in sharded] == [2, 2]
-    assert _processes_with(f"CORUN_BENCHMARK_TAG={tag}".encode()) == []
+    assert processes_with(f"CORUN_BENCHMARK_TAG={tag}".encode()) == []
 
 
 @pytest.mark.slow  # ~30 s on 2 CPUs: the server's start and 14 rounds of 6 calls a side
@@ -165,7 +155,7 @@ def test_tinker_benchmark_quick(tmp_path: Path) -> None:
         assert isinstance(row["overhead_ms"], float) and row["ratio"] > 0
         assert row["label"] in stdout
     assert figures["loss_max_rel_diff"] < 1e-3  # the two models trained alike
-    assert _processes_with(f"CORUN_BENCHMARK_TAG={tag}".encode()) == []
+    assert processes_with(f"CORUN_BENCHMARK_TAG={tag}".encode()) == []
 
 
 @pytest.mark.slow

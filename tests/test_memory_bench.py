@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 
 from benchmarks import memory
+from tests.support.processes import processes_with
 
 ROOT = Path(__file__).resolve().parents[1]
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
@@ -32,18 +33,6 @@ def tables(section: str) -> dict[str, list[list[str]]]:
 
 def positive(cell: str) -> bool:
     return float(cell.replace(",", "")) > 0
-
-
-def processes_with(entry: bytes) -> list[int]:
-    """Live processes whose environment holds ``entry`` (children inherit it)."""
-    found = []
-    for proc in Path("/proc").iterdir():
-        try:
-            if proc.name.isdigit() and entry in (proc / "environ").read_bytes().split(b"\0"):
-                found.append(int(proc.name))
-        except OSError:  # gone, or not ours to read
-            pass
-    return found
 
 
 @pytest.mark.slow  # ~40 s on 2 CPUs: 7 fresh processes, two of them corun train

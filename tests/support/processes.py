@@ -102,3 +102,15 @@ def events(run_dir: Path) -> list[dict[str, Any]]:
     if lines and not lines[-1].endswith(b"\n"):
         lines = lines[:-1]
     return [msgspec.json.decode(line) for line in lines if line.strip()]
+
+
+def processes_with(entry: bytes) -> list[int]:
+    """Live processes whose environment holds ``entry`` (children inherit it)."""
+    found = []
+    for proc in Path("/proc").iterdir():
+        try:
+            if proc.name.isdigit() and entry in (proc / "environ").read_bytes().split(b"\0"):
+                found.append(int(proc.name))
+        except OSError:  # gone, or not ours to read
+            pass
+    return found
