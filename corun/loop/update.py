@@ -77,7 +77,9 @@ class Updater:
         self.budget = micro_batch_tokens, micro_batch_rows
         self.measures_rows = overrides(trainer, "row_tokens")
         self.splits = self.measures_rows and any(self.budget)
-        self.flops = FlopMeter(trainer, (p for spec in self.optimizers for p in spec.params))
+        # perf/mfu counts tokens: for a trainer that reports its rows' lengths
+        params = (p for spec in self.optimizers for p in spec.params)
+        self.flops = FlopMeter(trainer, params) if self.measures_rows else None
         self._tokens = 0.0  # this call's tokens computed (perf/mfu)
         self.world = distributed.world()
         self.version = 0  # of the weights the current window's update starts from
@@ -117,6 +119,8 @@ class Updater:
         starts from policy ``version``) and, if it ends the window, apply the update.
         Blocking: runs on the train lane."""
         self.version = version
+        if self.flops is None:
+            return self._train_on_ranks(batch, window_pos)
         self._tokens = 0.0
         device = self.optimizers[0].params[0].device
         metrics, mfu = self.flops.measure(
@@ -141,18 +145,18 @@ class Updater:
         batch.split = bool(plans)
         if self.prepares:
             batch.data = self.trainer.prepare(batch)
-        generator = update_generator(self.seed, batch.index)
-        self._pending.append((batch, generator, Pending(plans, lengths)))
+        generator, pending = update_generator(self.seed, batch.index), Pending(plans, lengths)
+        self._pending.append((batch, generator, pending))
         sums = _MetricSums()
         # Nothing is applied yet: a stop here leaves the weights as they were.
-        self._backward(batch, 0, generator, Pending(plans, lengths), sums, cancellable=True)
+        self._backward(batch, 0, generator, pending, sums, cancellable=True)
         if window_pos == self.window - 1:
             self._step(sums)
             with distributed.uncancellable():  # a step has been applied
                 for mini in range(1, self.mini_batches):
                     self._zero_grad()
-                    for pending, pending_generator, plan in self._pending:
-                        self._backward(pending, mini, pending_generator, plan, sums, False)
+                    for earlier, earlier_generator, plan in self._pending:
+                        self._backward(earlier, mini, earlier_generator, plan, sums, False)
                     self._step(sums)
             self._pending.clear()
         if not self.world.parallel:
