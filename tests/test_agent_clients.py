@@ -298,6 +298,8 @@ def test_a_skipped_reload_fails_the_run_naming_the_version(
         "kind": "tests.support.hf_agents:SkipReloadHFAgentic", "model": "tiny-llama",
         "init_from": str(tool_model), "skip_reload_at": 2, "samples_per_prompt": 4,
         "max_new_tokens": 96, "temperature": 1.0,
+        # a copy of its own to skip a reload into (a shared one has the weights anyway)
+        "engine_options": {"share_weights": False},
     }  # fmt: skip
     run: CorunRun = start_corun(trainer, run={"steps": 4}, data={"batch_size": 2},
                                 loop={"baseline_eval": False})  # fmt: skip

@@ -15,7 +15,13 @@ if TYPE_CHECKING:
 WHERE = "trainer.engine_options"
 OPTIONS = f"$.{WHERE}.options"  # where EngineOptions.options come from
 DEADLINES = ("start_timeout_s", "request_timeout_s", "shutdown_timeout_s")  # every engine's
-LOCAL = (*DEADLINES, "dtype", "lora_rank", "max_loras")  # what the "local" engine takes too
+LOCAL = (
+    *DEADLINES,
+    "dtype",
+    "lora_rank",
+    "max_loras",
+    "share_weights",
+)  # what the "local" engine takes too
 FLEET = ("urls", "bucket_mb", "token")  # the "remote" engine's alone
 REMOTE = (*DEADLINES, "dtype", *FLEET)  # what it takes (dtype: its servers' precision)
 
@@ -41,6 +47,12 @@ class EngineOptions(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_
     # phase of the template. Only at loop.concurrency = 1 (generation and training
     # alternate). On CPU the phases run and vLLM's sleep does nothing.
     colocate: bool = False
+    # "local": sample from the policy's own parameters where nothing can read them
+    # mid-update (loop.concurrency = 1 with no server beside the run, one process, the
+    # engine's precision, no LoRA): one copy of the weights less. False: always a copy
+    # of its own, as vLLM and a fleet member hold — the same samples as theirs bit for
+    # bit (a shared tensor's memory layout can round a matmul differently).
+    share_weights: bool = True
     # "vllm-server": the GPUs of this node the server runs on (CUDA_VISIBLE_DEVICES;
     # tensor parallel over them), apart from the trainer's; weight syncs go device to
     # device through vLLM's weight-transfer API (NCCL; CUDA IPC on the trainer's GPU).

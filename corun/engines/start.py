@@ -171,6 +171,8 @@ def shares_weights(policy: Policy, options: EngineOptions, ctx: SetupContext, ro
     (concurrency 1: generation and updates alternate on the train lane) with no
     endpoint or other server beside it — and where the engine would hold them as the
     policy does: the same precision, whole (one process), no LoRA adapter to swap."""
+    if not options.share_weights:
+        return False
     dtypes = {p.dtype for p in policy.model.parameters() if p.is_floating_point()}
     plain = not any(hasattr(m, "lora_A") for m in policy.model.modules())
     alike = dtypes == {engine_dtype(options)} and plain and not distributed.world().parallel

@@ -69,14 +69,16 @@ class Rollouts:
 
     def prompt_lengths(self) -> Tensor:
         """(N,) each row's prompt without its left padding."""
+        ids = self.prompt_ids
         if self.prompt_mask is None:
-            return torch.full((self.prompt_ids.shape[0],), self.prompt_ids.shape[1])
+            return torch.full((ids.shape[0],), ids.shape[1], device=ids.device)
         return self.prompt_mask.sum(dim=1)
 
     def row_tokens(self) -> list[int]:
         """What each row costs a forward pass cut to it: its prompt and its response up
         to the last trained token."""
-        return (self.prompt_lengths().cpu() + self.response_ends().cpu()).tolist()
+        lengths: list[int] = (self.prompt_lengths() + self.response_ends()).tolist()
+        return lengths
 
     def trimmed(self) -> Rollouts:
         """The same rows without the columns none of them needs: the prompts' shared
