@@ -9,6 +9,7 @@ corun/contract/config_file.py.
 from __future__ import annotations
 
 import hashlib
+import math
 import os
 import tomllib
 from pathlib import Path
@@ -317,11 +318,44 @@ class ServeConfig(Section, frozen=True, forbid_unknown_fields=True, kw_only=True
     tinker_max_models: Annotated[int, msgspec.Meta(ge=0)] = 0
 
 
+class TaskConfig(Section, frozen=True, forbid_unknown_fields=True, kw_only=True):
+    """``[data.tasks.<name>]``: one task of a generated data source."""
+
+    # Its share of the items (relative to the other tasks' weights); positive and
+    # finite (checked by DataConfig, naming the task), so a task named in the mix is
+    # never silently absent from it, nor the only one present.
+    weight: float = 1.0
+    # The task's own settings, passed to its generator as they are (e.g. reasoning-gym's
+    # min_terms, max_digits); checked by the generator when the trainer starts.
+    settings: dict[str, Any] = msgspec.field(default_factory=dict)
+
+
 class DataConfig(Section, frozen=True, forbid_unknown_fields=True, kw_only=True):
     # A JSONL file of records; empty means the trainer's built-in generator.
     path: str = ""
     batch_size: PositiveInt = 64
     shuffle: bool = True
+    # A generated data source in place of the file or the built-in task: its items
+    # made from the run's seed and their index ("reasoning-gym": its procedural tasks,
+    # the `reasoning-gym` extra; trainers/hf/reasoning_gym.py), the tasks it draws
+    # from named in [data.tasks.<name>].
+    source: Literal["", "reasoning-gym"] = ""
+    tasks: dict[str, TaskConfig] = msgspec.field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        # Each half without the other would be ignored; a file beside a source would be
+        # one of them silently unused.
+        if self.tasks and not self.source:
+            raise ValueError("`tasks` name a generated source's tasks: set `source` too")
+        if self.source and not self.tasks:
+            raise ValueError(f"`source` = {self.source!r} needs tasks: [data.tasks.<name>]")
+        if self.source and self.path:
+            raise ValueError(
+                f"`path` and `source` = {self.source!r} are two data sources: keep one"
+            )
+        for name, task in self.tasks.items():
+            if not 0 < task.weight < math.inf:
+                raise ValueError(f"`tasks.{name}.weight` = {task.weight}: give a positive weight")
 
 
 class TrainerConfig(Section, frozen=True, forbid_unknown_fields=True, kw_only=True):
