@@ -23,20 +23,19 @@ from __future__ import annotations
 
 import statistics
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, Literal
 
 import msgspec
 import torch
 
-from corun import Batch, Lane, RolloutContext, SetupContext, stable_seed
+from corun import Batch, Dataset, Lane, RolloutContext, SetupContext
 from corun.agents.chat import ChatTemplate
 from corun.agents.chat_runner import ChatEnvironment, Generate, run_chat_episodes
 from corun.contract.engine import Generation, Sampling
 from corun.contract.episodes import Episode
 from corun.engines import decode
 from corun.execution import parallel
-from trainers.agentic import calculator
-from trainers.agentic.calculator import EnvSettings, Problem, Problems
+from trainers.agentic.calculator import EnvSettings
 from trainers.agentic.policy import episode_metrics
 from trainers.agentic.rl import (
     AgenticSettings,
@@ -44,9 +43,9 @@ from trainers.agentic.rl import (
     episode_rollouts,
     submitted_inbox,
 )
+from trainers.hf.chat_tasks import ChatTask, task_class, task_settings
 from trainers.hf.policy import HFPolicy
 from trainers.hf.rl import DEFAULT_REWARDS, HFGRPOConfig, HFPPOConfig, HFRollouts
-from trainers.hf.tools import CalculatorChatEnv
 from trainers.lm.grpo import GRPO
 from trainers.lm.policy_gradient import Scored
 from trainers.lm.ppo import PPO
@@ -55,14 +54,27 @@ from trainers.pg import fill_failed
 
 # The environment of episode ``row`` of the rollout of data ``index`` (-1: evaluation).
 MakeEnv = Callable[[int, int, EnvSettings], ChatEnvironment]
+# Whether an episode did its task (ChatTask.success).
+Succeeded = Callable[[Episode], bool]
+TaskName = Literal["calculator", "openenv", "skyrl-gym", "verifiers"]
+
+
+class ChatTaskSettings(AgenticSettings, frozen=True, kw_only=True):
+    """What an hf: chat policy's episodes add: the chat task (trainers/hf/chat_tasks.py)
+    and its own settings, ``[trainer.environment]``."""
+
+    task: TaskName = "calculator"  # type: ignore[assignment]
+    environment: dict[str, Any] = msgspec.field(default_factory=dict)
 
 
 def check_chat_episodes(config: Any) -> None:
-    """Settings that mean nothing here: refused, naming them."""
+    """Settings that mean nothing here: refused, naming them; the task's settings
+    converted to its own struct (a bad key named)."""
     check_agentic_config(config)
     if config.rewards != DEFAULT_REWARDS:
         raise ValueError("`$.rewards`: the environment scores an episode; there is nothing to set")
     check_turn_tokens(config)
+    task_settings(config.task, config.environment)
 
 
 def check_turn_tokens(config: Any) -> None:
@@ -73,23 +85,19 @@ def check_turn_tokens(config: Any) -> None:
         )
 
 
-def calculator_envs(seed: int, system_prompt: str) -> MakeEnv:
-    """The environment of episode ``row`` of the rollout of data ``index`` (-1: an
-    evaluation); its seed only times the tool, never reaches the numbers."""
-
-    def make_env(index: int, row: int, settings: EnvSettings) -> ChatEnvironment:
-        return CalculatorChatEnv(settings, stable_seed("env", seed, index, row), system_prompt)
-
-    return make_env
+def chat_task(config: Any, seed: int) -> ChatTask:
+    """The run's chat task (``trainer.task``) with its settings."""
+    settings = task_settings(config.task, config.environment)
+    return task_class(config.task)(settings, seed, config.system_prompt)
 
 
 # The HF settings (model, engine, system prompt, max_new_tokens: tokens per turn), then
 # the episodes' (task, env, eval_size, episodes).
 HFAgenticConfig = with_settings(
-    "HFAgenticConfig", HFGRPOConfig, AgenticSettings, check_chat_episodes
+    "HFAgenticConfig", HFGRPOConfig, ChatTaskSettings, check_chat_episodes
 )
 HFAgenticPPOConfig = with_settings(
-    "HFAgenticPPOConfig", HFPPOConfig, AgenticSettings, check_chat_episodes
+    "HFAgenticPPOConfig", HFPPOConfig, ChatTaskSettings, check_chat_episodes
 )
 
 
@@ -100,27 +108,28 @@ class HFAgentic(HFRollouts):
     async def setup(self, ctx: SetupContext) -> None:
         self.inbox = submitted_inbox(ctx, self.config, self.run_config.data.batch_size)
         await super().setup(ctx)
+        await self.task.start(ctx)  # its server or process, ended at teardown
 
     def build_task(self) -> None:
         cfg = self.config
         self.template = self.chat_template()
-        self.make_env = calculator_envs(self.run_config.run.seed, cfg.system_prompt)
-        self.eval_problems = calculator.eval_problems(cfg.eval_size)
+        self.task = chat_task(cfg, self.run_config.run.seed)
+        self.eval_problems = self.task.eval_tasks(cfg.eval_size)
         self.sampling = Sampling(
             cfg.max_new_tokens, cfg.temperature, cfg.top_p, self.template.stop_ids
         )
 
-    def dataset(self) -> Problems:
-        return Problems(self.run_config.data.batch_size, self.run_config.run.seed)
+    def dataset(self) -> Dataset:
+        return self.task.dataset(self.run_config.data.batch_size)
 
     # ---- rollout
-    async def rollout(self, problems: list[Problem], ctx: RolloutContext) -> Batch:
+    async def rollout(self, problems: list[Any], ctx: RolloutContext) -> Batch:
         cfg, n = self.config, self.config.samples_per_prompt
         if self.inbox is not None:
             episodes = await self.inbox.take(len(problems))
         else:
             tasks = [problem for problem in problems for _ in range(n)]
-            envs = [self.make_env(ctx.index, row, cfg.env) for row in range(len(tasks))]
+            envs = [self.task.make_env(ctx.index, row, cfg.env) for row in range(len(tasks))]
             episodes = await run_chat_episodes(
                 ctx, envs, tasks, self.engine.generate, self.template, self.sampling,
                 max_turns=cfg.env.max_turns, max_len=self.max_len,
@@ -130,7 +139,9 @@ class HFAgentic(HFRollouts):
         rewards = torch.tensor([e.reward for e in episodes])
         trainable = torch.tensor([e.trainable for e in episodes])
         prompts = [self.template.decode(e.prompt_ids) for e in episodes]
-        metrics = {f"rollout/{k}": v for k, v in chat_episode_metrics(episodes).items()}
+        metrics = {
+            f"rollout/{k}": v for k, v in chat_episode_metrics(episodes, self.task.success).items()
+        }
         metrics["rollout/partial_ratio"] = float(rollouts.spans_versions().float().mean())
         metrics["perf/env_wait_time_s"] = sum(e.env_wait_s for e in episodes)
         version = rollouts.version
@@ -142,14 +153,14 @@ class HFAgentic(HFRollouts):
         cfg = self.config
         return await evaluate_chat_agent(
             self.policy, self.template, self.eval_problems, cfg.env, cfg.max_new_tokens,
-            self.max_len, self.train_lane, self.make_env,
+            self.max_len, self.train_lane, self.task.make_env, self.task.success,
         )  # fmt: skip
 
 
 async def evaluate_chat_agent(
-    policy: HFPolicy, template: ChatTemplate, problems: Sequence[Problem],
+    policy: HFPolicy, template: ChatTemplate, problems: Sequence[Any],
     settings: EnvSettings, max_new_tokens: int, max_len: int, lane: Lane | None,
-    make_env: MakeEnv,
+    make_env: MakeEnv, success: Succeeded,
 ) -> dict[str, float]:  # fmt: skip
     """Greedy episodes of the live ``policy`` on held-out problems without tool latency
     (its cost is not the policy's), decoding on ``lane``: ``eval/success``,
@@ -162,7 +173,7 @@ async def evaluate_chat_agent(
         ctx, envs, problems, greedy_decode(policy, template.pad_id, ctx), template, greedy,
         max_turns=settings.max_turns, max_len=max_len, step_timeout_s=settings.step_timeout_s,
     )  # fmt: skip
-    metrics = chat_episode_metrics(episodes)
+    metrics = chat_episode_metrics(episodes, success)
     metrics["reward"] = metrics.pop("reward_mean")  # eval/reward: the shared name
     return {f"eval/{k}": v for k, v in metrics.items()}
 
@@ -180,14 +191,13 @@ def greedy_decode(policy: HFPolicy, pad_id: int, ctx: RolloutContext) -> Generat
     return generate
 
 
-def chat_episode_metrics(episodes: list[Episode]) -> dict[str, float]:
+def chat_episode_metrics(episodes: list[Episode], success: Succeeded) -> dict[str, float]:
     """The TinyLM agentic trainer's episode metrics (mean reward, turns, tool calls; tool
-    errors, environment failures), success — the episode ended with the exact answer,
-    which is the only reply the calculator scores 1 — and trained tokens."""
+    errors, environment failures), success — the task's judgement: for the calculator,
+    the episode ended with the exact answer, the only reply it scores 1 — and trained
+    tokens."""
     metrics = episode_metrics(episodes, None)
-    metrics["success"] = statistics.fmean(
-        float(e.status == "done" and e.reward == 1) for e in episodes
-    )
+    metrics["success"] = statistics.fmean(float(success(e)) for e in episodes)
     metrics["trained_tokens_mean"] = statistics.fmean(sum(e.trained) for e in episodes)
     return metrics
 

@@ -21,14 +21,14 @@ from corun import Batch, RolloutContext, SetupContext
 from corun.agents.chat_runner import teacher_episode
 from corun.contract.episodes import Episode
 from corun.execution.parallel import Precision
-from trainers.agentic import calculator
 from trainers.agentic.calculator import EnvSettings, Problem
 from trainers.agentic.sft import demonstration_problems
-from trainers.hf.agentic import calculator_envs, check_turn_tokens, evaluate_chat_agent
+from trainers.hf.agentic import check_turn_tokens, evaluate_chat_agent
+from trainers.hf.chat_tasks import NoSettings
 from trainers.hf.lora import LoraSettings
 from trainers.hf.rl import chat_template, check_hf_config, max_len
 from trainers.hf.sft import HFSFTTrainer
-from trainers.hf.tools import TOOLS, demonstration
+from trainers.hf.tools import TOOLS, CalculatorTask, demonstration
 from trainers.lm.settings import PositiveInt
 from trainers.lm.sft import SFTConfig
 from trainers.lm.tasks import TokenBatch
@@ -85,7 +85,8 @@ class HFAgenticSFTTrainer(HFSFTTrainer):
         tokenizer = self.setup_model(ctx)
         self.template = chat_template(self.model, tokenizer, cfg)
         self.setup_optimizer(ctx)
-        self.eval_problems = calculator.eval_problems(cfg.eval_size)
+        self.calculator = CalculatorTask(NoSettings(), self.run_config.run.seed, cfg.system_prompt)
+        self.eval_problems = self.calculator.eval_tasks(cfg.eval_size)
 
     def dataset(self) -> Any:
         data = self.run_config.data
@@ -104,5 +105,5 @@ class HFAgenticSFTTrainer(HFSFTTrainer):
         return await evaluate_chat_agent(
             self.model, self.template, self.eval_problems, cfg.env, cfg.max_new_tokens,
             max_len(self.model), self.train_lane,
-            calculator_envs(self.run_config.run.seed, cfg.system_prompt),
+            self.calculator.make_env, self.calculator.success,
         )  # fmt: skip

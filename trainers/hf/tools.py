@@ -25,6 +25,7 @@ import json
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from corun import stable_seed
 from corun.agents.chat_runner import ChatStep
 from corun.agents.client import Agent, Tool
 from corun.contract.policy import ChatMessage, FunctionCall, FunctionSpec, ToolCall, ToolSpec
@@ -35,8 +36,10 @@ from trainers.agentic.calculator import (
     Problem,
     Problems,
     answer_reward,
+    eval_problems,
 )
 from trainers.agentic.serving import TOOL
+from trainers.hf.chat_tasks import ChatTask
 
 CALCULATOR = ToolSpec(
     function=FunctionSpec(
@@ -131,6 +134,21 @@ class CalculatorChatEnv:
             content = TOOL_ERROR if step.tool_error else step.observation.removeprefix("=")
             results.append(tool_message(content, call))
         return ChatStep(results, tool_call=True, tool_error=errors)
+
+
+class CalculatorTask(ChatTask):
+    """The built-in chat task (``trainer.task = "calculator"``): the problems, and a
+    calculator environment per episode whose seed only times the tool."""
+
+    def dataset(self, batch_size: int) -> Problems:
+        return Problems(batch_size, self.seed)
+
+    def eval_tasks(self, n: int) -> list[Problem]:
+        return eval_problems(n)
+
+    def make_env(self, index: int, row: int, settings: EnvSettings) -> CalculatorChatEnv:
+        seed = stable_seed("env", self.seed, index, row)
+        return CalculatorChatEnv(settings, seed, self.system_prompt)
 
 
 # ----------------------------------------------------------------------------- an agent
