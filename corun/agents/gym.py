@@ -27,43 +27,26 @@ How the two APIs meet:
   four-tuple of gym < 0.26 — raises TypeError or ValueError from the call. corun's
   runner ends that episode "failed" with the message, as for anything the env raises.
 - The env is closed when its episode ends: done, or any error. An episode that the
-  runner cuts at its turn or token limit, or that times out, is dropped unclosed (the
-  Environment protocol has no end-of-episode call, and a timed-out call still runs).
+  runner cuts at its turn or token limit, or that times out, is dropped unclosed.
 
 Threads. Gymnasium environments are synchronous, so each call runs in a worker thread
-(``anyio.to_thread``, under asyncio or trio) and a slow env holds up only its own
-episode. What that asks of the caller:
-
-- One env object per episode, never shared: calls of two episodes would run in two
-  threads at once. ``make_env`` builds one per episode. Consecutive calls of one
-  episode may run on different threads (an env tied to one thread is not supported).
-- A cancelled call (the runner's ``step_timeout_s``) is abandoned, not stopped: Python
-  cannot stop a thread. The episode ends at once ("timeout"), the env's call runs on in
-  its thread, and this adapter refuses further calls.
-- Calls share anyio's default thread limiter (40 threads): the 41st concurrent call
-  waits, and the wait counts against the step timeout; an abandoned call holds its
-  thread until it returns. Raise the limit for many concurrent episodes with
-  ``anyio.to_thread.current_default_thread_limiter().total_tokens = n``.
+(corun/agents/threaded.py): one env object per episode (``make_env`` builds one per
+episode), a cancelled call abandoned, not stopped, and anyio's thread limit; its
+docstring says what that asks of the caller.
 """
 
 from __future__ import annotations
 
-import math
-import numbers
-import threading
 from collections.abc import Callable, Mapping
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import TYPE_CHECKING, Any
 
-import anyio
 import numpy as np
 
+from corun.agents.threaded import EnvCalls, finite_reward
 from corun.contract.episodes import Step
 
 if TYPE_CHECKING:
     from gymnasium import Env
-
-A = TypeVar("A")
-R = TypeVar("R")
 
 
 def task_options(task: Any) -> dict[str, Any]:
@@ -81,40 +64,15 @@ class GymEnvironment:
         self.env = env
         self.seed = seed
         self.options = options
-        # Held while the env is in a call, in the call's thread: an abandoned call
-        # (cancelled, still running) keeps it, so no second call overlaps it.
-        self._in_call = threading.Lock()
-        self._closed = False  # the episode ended and the env was closed
+        self._calls = EnvCalls(env.close)
 
     async def reset(self, task: Any) -> str:
-        return await self._call(self._reset, task)
+        return await self._calls.run(self._reset, task)
 
     async def step(self, reply: str) -> Step:
-        return await self._call(self._step, reply)
-
-    async def _call(self, fn: Callable[[A], R], arg: A) -> R:
-        # abandon_on_cancel: a cancelled call returns at once (the step timeout works);
-        # without it, cancellation would wait for the env, a hung one forever.
-        return await anyio.to_thread.run_sync(self._in_thread, fn, arg, abandon_on_cancel=True)
+        return await self._calls.run(self._step, reply)
 
     # ---- in the worker thread
-
-    def _in_thread(self, fn: Callable[[A], R], arg: A) -> R:
-        if not self._in_call.acquire(blocking=False):
-            raise RuntimeError(
-                "the env is still in an earlier call (one that timed out or was cancelled "
-                "runs on in its thread); this episode is over"
-            )
-        try:
-            if self._closed:
-                raise RuntimeError("the episode is over and its env closed: one env per episode")
-            try:
-                return fn(arg)
-            except Exception as exc:  # the episode fails: close the env, report its error
-                self._close(exc)
-                raise
-        finally:
-            self._in_call.release()
 
     def _reset(self, task: Any) -> str:
         result = self.env.reset(seed=self.seed, options=self.options(task))
@@ -139,22 +97,13 @@ class GymEnvironment:
         if not isinstance(info, Mapping):
             raise TypeError(f"step() returned info of type {type(info).__name__}, not a dict")
         step = Step(
-            _text(observation, "step()"), _reward(reward), bool(terminated or truncated),
+            _text(observation, "step()"), finite_reward(reward), bool(terminated or truncated),
             tool_call=bool(info.get("tool_call", False)),
             tool_error=bool(info.get("tool_error", False)),
         )  # fmt: skip
         if step.done:
-            self._close()
+            self._calls.close()
         return step
-
-    def _close(self, error: Exception | None = None) -> None:
-        self._closed = True
-        try:
-            self.env.close()
-        except Exception as exc:
-            if error is None:
-                raise
-            error.add_note(f"env.close() then raised {type(exc).__name__}: {exc}")
 
 
 def _text(observation: object, call: str) -> str:
@@ -164,18 +113,6 @@ def _text(observation: object, call: str) -> str:
             "policies read text (gymnasium.spaces.Text)"
         )
     return observation
-
-
-def _reward(reward: object) -> float:
-    if isinstance(reward, bool) or not isinstance(reward, numbers.Real):
-        raise TypeError(
-            f"step() returned the reward {reward!r} of type {type(reward).__name__}; it must "
-            "be an int or a float (numpy's too)"
-        )
-    value = float(reward)
-    if not math.isfinite(value):
-        raise ValueError(f"step() returned the reward {value}; it must be finite")
-    return value
 
 
 def _shape(result: object) -> str:
