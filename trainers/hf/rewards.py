@@ -1,7 +1,8 @@
 """Reward functions chosen in config: ``[trainer.rewards]`` maps a name to its weight,
 and a sample's reward is the weighted sum.
 
-A name is a built-in (``exact_match``, ``numeric_match``, ``format``) or
+A name is a built-in (``exact_match``, ``numeric_match``, ``format``; ``task_score``,
+the data source's own scorer, where the source has one: reasoning-gym's tasks) or
 ``"package.module:function"``. A function is called with keyword arguments
 ``prompt`` (the prompt as text), ``response`` (the decoded reply) and ``answer`` (the
 data's reference, "" when it has none) — accept ``**kwargs`` for the ones you do not
@@ -24,7 +25,7 @@ import inspect
 import logging
 import math
 import re
-from collections.abc import Awaitable, Callable, Mapping
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -33,9 +34,14 @@ from corun.contract.user_calls import CallDeadlines, deadline, quoted
 
 log = logging.getLogger(__name__)
 RewardFn = Callable[..., "float | Awaitable[float]"]
+# A data source's scorer: (the reply, the item the source made) -> score.
+TaskScorer = Callable[[str, object], float]
+TASK_SCORE = "task_score"
 Run = Callable[[Callable[[], Any]], Awaitable[Any]]  # a lane's run: ``await run(fn)``
 NUMBER = re.compile(r"-?\d+(?:\.\d+)?")
 SETTING = "run.reward_timeout_s"
+Sample = dict[str, Any]  # a reward call's keywords (and the item, under ENTRY)
+ENTRY = "entry"
 
 
 def exact_match(*, response: str, answer: str, **_: Any) -> float:
@@ -65,14 +71,33 @@ BUILT_INS: dict[str, RewardFn] = {
 }
 
 
-def resolve(name: str, where: str) -> RewardFn:
-    """A built-in by name, or ``package.module:function``; a usage error otherwise."""
+@dataclass(frozen=True)
+class ScoredBy:
+    """The ``task_score`` reward: the data source's scorer on the reply and the
+    sample's item (the ``entry`` keyword, which only this reward is given)."""
+
+    scorer: TaskScorer
+
+    def __call__(self, *, response: str, entry: object, **_: Any) -> float:
+        return self.scorer(response, entry)
+
+
+def resolve(name: str, where: str, scorer: TaskScorer | None = None) -> RewardFn:
+    """A built-in by name (``task_score`` when the data source gives its ``scorer``),
+    or ``package.module:function``; a usage error otherwise."""
     if name in BUILT_INS:
         return BUILT_INS[name]
+    if name == TASK_SCORE:
+        if scorer is None:
+            raise ConfigError(
+                f"{where}: the data source's own scorer; this data has none "
+                '(data.source = "reasoning-gym" has one)'
+            )
+        return ScoredBy(scorer)
     if ":" not in name:
         raise ConfigError(
             f"{where}: unknown reward {name!r}; built-ins: {', '.join(BUILT_INS)}, "
-            'or give "package.module:function"'
+            f'{TASK_SCORE} (a data source\'s scorer), or give "package.module:function"'
         )
     module_name, _, attr = name.partition(":")
     try:
@@ -96,24 +121,31 @@ class Scores:
 class Rewards:
     """The configured functions with their weights."""
 
-    def __init__(self, weights: Mapping[str, float], where: str, timeout_s: float) -> None:
+    def __init__(
+        self, weights: Mapping[str, float], where: str, timeout_s: float,
+        scorer: TaskScorer | None = None,
+    ) -> None:  # fmt: skip
+        """``scorer``: the data source's own (the ``task_score`` reward), if it has one."""
         if not weights:
             raise ConfigError(f"{where}: no reward functions")
         self.functions = [
-            (name, resolve(name, f"{where}.{name}"), w) for name, w in weights.items()
+            (name, resolve(name, f"{where}.{name}", scorer), w) for name, w in weights.items()
         ]
         self.timeout_s = timeout_s  # each call's deadline (run.reward_timeout_s)
         self._reported: set[str] = set()
 
     async def score(
-        self, prompts: list[str], responses: list[str], answers: list[str], run: Run | None = None
-    ) -> Scores:
+        self, prompts: list[str], responses: list[str], answers: list[str], run: Run | None = None,
+        entries: Sequence[object] | None = None,
+    ) -> Scores:  # fmt: skip
         """Score every sample with every function; the plain functions together through
         ``run`` (a compute lane: user code may be slow), ``async def`` ones on the event
-        loop; every call within its deadline."""
-        samples = [
-            {"prompt": p, "response": r, "answer": a}
-            for p, r, a in zip(prompts, responses, answers, strict=True)
+        loop; every call within its deadline. ``entries``: each sample's item from the
+        data source (``Example.entry``), for ``task_score``."""
+        items = [None] * len(prompts) if entries is None else entries
+        samples: list[Sample] = [
+            {"prompt": p, "response": r, "answer": a, ENTRY: e}
+            for p, r, a, e in zip(prompts, responses, answers, items, strict=True)
         ]
         values = await self._plain_values(samples, run)
         for name, fn, _ in self.functions:
@@ -135,7 +167,7 @@ class Rewards:
         )
 
     async def _plain_values(
-        self, samples: list[dict[str, str]], run: Run | None
+        self, samples: list[Sample], run: Run | None
     ) -> dict[str, list[float | None]]:
         """Each plain function on every sample, all in one lane call, each call watched."""
         plain = [(n, fn) for n, fn, _ in self.functions if not inspect.iscoroutinefunction(fn)]
@@ -150,7 +182,7 @@ class Rewards:
         return await calls.run(run, call_all) if plain else {}
 
     async def _async_values(
-        self, name: str, fn: RewardFn, samples: list[dict[str, str]]
+        self, name: str, fn: RewardFn, samples: list[Sample]
     ) -> list[float | None]:
         values = []
         for sample in samples:
@@ -177,21 +209,29 @@ class Rewards:
             return None
 
 
-def _what(call: tuple[str, dict[str, str]]) -> str:
+def _what(call: tuple[str, Sample]) -> str:
     """A call in the deadline's line: the function and the sample's prompt."""
     name, sample = call
     return f"reward function {name} for prompt {quoted(sample['prompt'])}"
 
 
-def _call(fn: RewardFn, sample: dict[str, str]) -> object:
+def _arguments(fn: RewardFn, sample: Sample) -> Sample:
+    """A function's keywords: prompt, response, answer; the item too for task_score
+    (a user's function, written for those three, is never given a fourth)."""
+    if isinstance(fn, ScoredBy):
+        return sample
+    return {key: value for key, value in sample.items() if key != ENTRY}
+
+
+def _call(fn: RewardFn, sample: Sample) -> object:
     try:
-        return fn(**sample)
+        return fn(**_arguments(fn, sample))
     except Exception as exc:  # the user's function: its failure fails the sample only
         return exc
 
 
-async def _settle(fn: RewardFn, sample: dict[str, str]) -> object:
+async def _settle(fn: RewardFn, sample: Sample) -> object:
     try:
-        return await fn(**sample)  # type: ignore[misc]
+        return await fn(**_arguments(fn, sample))  # type: ignore[misc]
     except Exception as exc:
         return exc

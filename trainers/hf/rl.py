@@ -38,12 +38,12 @@ from corun.engines.decode import left_pad
 from corun.engines.fingerprint import checked
 from corun.engines.options import EngineOptions, resolved_dtype
 from corun.engines.start import EngineKind, check_engine, start_engine
-from trainers.hf import lora, sync
+from trainers.hf import lora, reasoning_gym, sync
 from trainers.hf.evaluation import evaluate
 from trainers.hf.policy import ChatFormat, HFPolicy
 from trainers.hf.rewards import Rewards
 from trainers.hf.state import hf_state, load_hf_state, load_model
-from trainers.hf.tasks import Example, WordProblems, eval_problems, prompt_batches, read_prompts
+from trainers.hf.tasks import Example, held_out_examples, training_batches
 from trainers.hf.tinker import HFTrainingBackend, training_backend
 from trainers.hf.training import ModelSettings, parallelize_policy, with_adapters
 from trainers.lm.engine import Rollouts
@@ -226,27 +226,21 @@ class HFPrompts(HFRollouts):
     configured reward functions."""
 
     def build_task(self) -> None:
-        """The rewards and the held-out prompts."""
-        data = self.run_config.data
+        """The data source, the rewards and the held-out prompts."""
+        data, cfg = self.run_config.data, self.config
+        self.generated = reasoning_gym.source(data)
+        scorer = self.generated.score if self.generated else None
         self.rewards = Rewards(
-            self.config.rewards, "`$.trainer.rewards`", self.run_config.run.reward_timeout_s
+            cfg.rewards, "`$.trainer.rewards`", self.run_config.run.reward_timeout_s, scorer
         )
-        if data.path:
-            _, self.eval_examples = read_prompts(data.path)
-            self.eval_examples = self.eval_examples[: self.config.eval_size]
-        else:
-            self.eval_examples = eval_problems(self.config.eval_size)
+        self.eval_examples = held_out_examples(data, cfg.eval_size, self.generated)
         self.chat.check([e.prompt for e in self.eval_examples], "`$.data.path`")
-        cfg = self.config
         self.sampling = Sampling(
             cfg.max_new_tokens, cfg.temperature, cfg.top_p, (self.chat.eos_id,)
         )
 
     def dataset(self) -> Dataset:
-        data, seed = self.run_config.data, self.run_config.run.seed
-        if data.path:
-            return prompt_batches(data.path, data.batch_size, seed, data.shuffle)
-        return WordProblems(data.batch_size, seed)
+        return training_batches(self.run_config.data, self.run_config.run.seed, self.generated)
 
     # ---- rollout
     async def rollout(self, examples: list[Example], ctx: RolloutContext) -> Batch:
@@ -262,8 +256,9 @@ class HFPrompts(HFRollouts):
         rollouts = to_rollouts(prompt_ids, generations, self.chat.pad_id)
         responses = [self.chat.decode(g.ids) for g in generations]
         scores = await self.rewards.score(
-            [str(e.prompt) for e in rows], responses, [e.answer for e in rows], ctx.compute
-        )
+            [str(e.prompt) for e in rows], responses, [e.answer for e in rows], ctx.compute,
+            [e.entry for e in rows],
+        )  # fmt: skip
         rewards = torch.tensor(scores.rewards)
         if cfg.truncated_reward == "zero":
             rewards = rewards.masked_fill(rollouts.truncated, 0.0)

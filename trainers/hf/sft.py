@@ -16,13 +16,14 @@ import torch
 from corun import Batch, Dataset, RolloutContext, SetupContext
 from corun.engines.options import EngineOptions
 from corun.execution.parallel import Precision
+from trainers.hf import reasoning_gym
 from trainers.hf.evaluation import evaluate
 from trainers.hf.lora import LoraSettings, param_groups
 from trainers.hf.policy import ChatFormat, HFPolicy
 from trainers.hf.rewards import Rewards
 from trainers.hf.rl import DEFAULT_REWARDS, TaskName, check_hf_config
 from trainers.hf.state import hf_state, load_hf_state, load_model
-from trainers.hf.tasks import Example, WordProblems, eval_problems, prompt_batches, read_prompts
+from trainers.hf.tasks import Example, held_out_examples, training_batches
 from trainers.hf.tinker import HFTrainingBackend, training_backend
 from trainers.hf.training import prepare_policy
 from trainers.lm.settings import PositiveInt
@@ -75,22 +76,20 @@ class HFSFTTrainer(SFTTrainer):
         cfg = self.config
         tokenizer = self.setup_model(ctx)
         self.chat = ChatFormat(tokenizer, cfg.system_prompt)
+        data = self.run_config.data
+        self.generated = reasoning_gym.source(data)
+        scorer = self.generated.score if self.generated else None
         self.rewards = Rewards(
-            cfg.rewards, "`$.trainer.rewards`", self.run_config.run.reward_timeout_s
+            cfg.rewards, "`$.trainer.rewards`", self.run_config.run.reward_timeout_s, scorer
         )
         self.setup_optimizer(ctx)
-        data = self.run_config.data
-        held_out = read_prompts(data.path)[1] if data.path else eval_problems(cfg.eval_size)
-        self.held_out_examples = held_out[: cfg.eval_size]
+        self.held_out_examples = held_out_examples(data, cfg.eval_size, self.generated)
         self.chat.check([e.prompt for e in self.held_out_examples], "`$.data.path`")
         examples = self.held_out_examples
         self.held_out_tokens = to_device(self.encode(examples), self.device) if examples else None
 
     def dataset(self) -> Dataset:
-        data, seed = self.run_config.data, self.run_config.run.seed
-        if data.path:
-            return prompt_batches(data.path, data.batch_size, seed, data.shuffle)
-        return WordProblems(data.batch_size, seed)
+        return training_batches(self.run_config.data, self.run_config.run.seed, self.generated)
 
     def encode(self, examples: list[Example]) -> TokenBatch:
         return teacher_forcing(

@@ -7,22 +7,27 @@ hash of its text, is held out for evaluation and never trained on."""
 from __future__ import annotations
 
 import random
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Annotated
+from typing import Annotated, Protocol
 
 import msgspec
 
-from corun import DataError, ShuffledBatches, read_jsonl, stable_seed
+from corun import DataError, Dataset, ShuffledBatches, read_jsonl, stable_seed
+from corun.base.config import DataConfig
 from trainers.hf.prompts import Message, Prompt
 
 
 @dataclass(frozen=True)
 class Example:
-    """A prompt and its reference answer ("" when the data has none)."""
+    """A prompt and its reference answer ("" when the data has none); from a generated
+    source (trainers/hf/reasoning_gym.py), the task it was drawn from and the item its
+    scorer reads (the ``task_score`` reward)."""
 
     prompt: Prompt
     answer: str
+    task: str = ""
+    entry: object = field(default=None, compare=False)
 
 
 class PromptRecord(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
@@ -116,5 +121,40 @@ def eval_problems(n: int) -> list[Example]:
 def corpus(n: int = 2000) -> list[str]:
     """Text to train the tiny model's tokenizer on: problems and answers as chats."""
     rng = random.Random(stable_seed("word-corpus"))
-    # In the tiny model's chat format, so its roles are whole tokens too.
-    return [f"user: {p.prompt}\nassistant: {p.answer}\n" for p in (problem(rng) for _ in range(n))]
+    return [chat_text(p.prompt, p.answer) for p in (problem(rng) for _ in range(n))]
+
+
+def chat_text(prompt: object, answer: str) -> str:
+    """A prompt and its answer in the tiny model's chat format, so that a tokenizer
+    trained on such text makes whole tokens of its roles too."""
+    return f"user: {prompt}\nassistant: {answer}\n"
+
+
+class Generated(Protocol):
+    """A generated data source (trainers/hf/reasoning_gym.py's ``TaskMix``): its items
+    made from the run's seed, its held-out items and their scorer."""
+
+    def batches(self, batch_size: int, seed: int) -> Dataset: ...
+
+    def held_out(self, n: int) -> list[Example]: ...
+
+    def score(self, response: str, entry: object) -> float: ...
+
+
+def training_batches(data: DataConfig, seed: int, generated: Generated | None) -> Dataset:
+    """The run's training data: the generated source, the prompt file or the word
+    problems."""
+    if generated is not None:
+        return generated.batches(data.batch_size, seed)
+    if data.path:
+        return prompt_batches(data.path, data.batch_size, seed, data.shuffle)
+    return WordProblems(data.batch_size, seed)
+
+
+def held_out_examples(data: DataConfig, n: int, generated: Generated | None) -> list[Example]:
+    """Up to ``n`` held-out examples of the same data, never trained on."""
+    if generated is not None:
+        return generated.held_out(n)
+    if data.path:
+        return read_prompts(data.path)[1][:n]
+    return eval_problems(n)

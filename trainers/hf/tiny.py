@@ -1,7 +1,8 @@
 """A tiny Llama-architecture model and its tokenizer, built offline: ``python -m
 trainers.hf.tiny DIR`` writes a ``save_pretrained`` directory (safetensors weights,
 ``config.json``, a byte-level BPE tokenizer trained in memory with ``tokenizers`` on
-the word-problem corpus, digits split one per token, and a chat template) that
+the word-problem corpus (or, for "tiny-llama-rg", reasoning-gym's arithmetic tasks),
+digits split one per token, and a chat template) that
 transformers and vLLM both load. Random weights, seeded: the same directory every time.
 
 vLLM's CPU attention takes head sizes 32, 64, 80, ... only, hence ``head_dim`` 32.
@@ -12,11 +13,19 @@ from __future__ import annotations
 import argparse
 import fcntl
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import torch
 
-from trainers.hf.tasks import corpus
+from trainers.hf import reasoning_gym, tasks
+
+# The text a tokenizer is trained on, by name.
+CORPORA: dict[str, Callable[[], list[str]]] = {
+    "word-problems": tasks.corpus,
+    "reasoning-gym-arithmetic": reasoning_gym.corpus,  # needs the reasoning-gym extra
+}
 
 # A chat as plain text: "user: ...\nassistant: ...</s>\n"; the generation prompt ends
 # with "assistant:" so a reply starts right after it. Compact for 256 positions: offered
@@ -40,7 +49,7 @@ CHAT_TEMPLATE = (
 
 
 def build(path: str | Path, *, hidden: int = 64, layers: int = 2, heads: int = 2,
-          vocab: int = 400, seed: int = 0) -> Path:  # fmt: skip
+          vocab: int = 400, seed: int = 0, corpus: str = "word-problems") -> Path:  # fmt: skip
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
@@ -55,7 +64,7 @@ def build(path: str | Path, *, hidden: int = 64, layers: int = 2, heads: int = 2
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         show_progress=False,  # `corun serve`'s first line is its URL, even on first use
     )  # fmt: skip
-    tokenizer.train_from_iterator(corpus(), trainer)
+    tokenizer.train_from_iterator(CORPORA[corpus](), trainer)
     fast = PreTrainedTokenizerFast(
         tokenizer_object=tokenizer, bos_token="<s>", eos_token="</s>", pad_token="<pad>"
     )
@@ -76,13 +85,17 @@ def build(path: str | Path, *, hidden: int = 64, layers: int = 2, heads: int = 2
     return path
 
 
-# The built-in models by name: (directory, shape). Versioned: a directory built with
-# an older chat template is never picked up. All share one tokenizer (trained the same
-# way on the same corpus), so any of them can teach another (trainers/hf/distill.py).
-BUILT_INS: dict[str, tuple[Path, dict[str, int]]] = {
+# The built-in models by name: (directory, build arguments). Versioned: a directory
+# built with an older chat template is never picked up. The first two share one
+# tokenizer (trained the same way on the same corpus), so either can teach the other
+# (trainers/hf/distill.py).
+BUILT_INS: dict[str, tuple[Path, dict[str, Any]]] = {
     "tiny-llama": (Path("runs/models/tiny-llama-2"), {}),
     # About 4x the parameters (hidden 128, 4 layers): a teacher for the tiny one.
     "tiny-llama-large": (Path("runs/models/tiny-llama-large-2"), {"hidden": 128, "layers": 4}),
+    # The tiny shape, its tokenizer trained on reasoning-gym's arithmetic tasks
+    # (configs/rg_sft.toml, rg_grpo.toml), whose questions then take fewer positions.
+    "tiny-llama-rg": (Path("runs/models/tiny-llama-rg-1"), {"corpus": "reasoning-gym-arithmetic"}),
 }
 BUILT_IN_DIR = BUILT_INS["tiny-llama"][0]
 
