@@ -1,6 +1,8 @@
 """The warm start of ``hf_agentic`` (registered as ``hf_agentic_sft``): supervised
-learning on demonstrations of the calculator tool task — ask, call the calculator,
-read its result, answer — with the loss on the assistant's tokens only.
+learning on demonstrations of the chat task (``trainer.task``, its settings in
+``[trainer.environment]`` as for ``hf_agentic``) — for the calculator: ask, call the
+calculator, read its result, answer; for a SkyRL-Gym GSM8K env: the question, then
+"#### <answer>" — with the loss on the assistant's tokens only.
 
 A demonstration is laid out exactly as the episode runner lays out an episode
 (corun/agents/chat_runner.py's ``teacher_episode``): the first messages rendered by
@@ -12,7 +14,7 @@ trainer's; the evaluation is the RL trainer's (greedy episodes on held-out probl
 
 from __future__ import annotations
 
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any
 
 import msgspec
 import torch
@@ -21,21 +23,20 @@ from corun import Batch, RolloutContext, SetupContext
 from corun.agents.chat_runner import teacher_episode
 from corun.contract.episodes import Episode
 from corun.execution.parallel import Precision
-from trainers.agentic.calculator import EnvSettings, Problem
-from trainers.agentic.sft import demonstration_problems
-from trainers.hf.agentic import check_turn_tokens, evaluate_chat_agent
-from trainers.hf.chat_tasks import NoSettings
+from trainers.agentic.calculator import EnvSettings
+from trainers.hf.agentic import TaskName, chat_task, check_turn_tokens, evaluate_chat_agent
+from trainers.hf.chat_tasks import has_demonstrations, task_settings
 from trainers.hf.lora import LoraSettings
 from trainers.hf.rl import chat_template, check_hf_config, max_len
 from trainers.hf.sft import HFSFTTrainer
-from trainers.hf.tools import TOOLS, CalculatorTask, demonstration
 from trainers.lm.settings import PositiveInt
 from trainers.lm.sft import SFTConfig
 from trainers.lm.tasks import TokenBatch
 
 
 class HFAgenticSFTConfig(SFTConfig, frozen=True, forbid_unknown_fields=True, kw_only=True):
-    task: Literal["calculator"] = "calculator"  # type: ignore[assignment]
+    task: TaskName = "calculator"  # type: ignore[assignment]
+    environment: dict[str, Any] = msgspec.field(default_factory=dict)
     model: str  # "hf:<dir>", or "tiny-llama"
     system_prompt: str = ""
     # Distinct demonstration problems, cycled in shuffled batches ("a few
@@ -56,6 +57,9 @@ class HFAgenticSFTConfig(SFTConfig, frozen=True, forbid_unknown_fields=True, kw_
         super().__post_init__()
         check_hf_config(self)
         check_turn_tokens(self)
+        task_settings(self.task, self.environment)
+        if not has_demonstrations(self.task):
+            raise ValueError(f"`$.task`: the {self.task!r} task has no demonstrations to learn")
 
 
 def episode_tokens(episodes: list[Episode], pad_id: int) -> TokenBatch:
@@ -85,19 +89,18 @@ class HFAgenticSFTTrainer(HFSFTTrainer):
         tokenizer = self.setup_model(ctx)
         self.template = chat_template(self.model, tokenizer, cfg)
         self.setup_optimizer(ctx)
-        self.calculator = CalculatorTask(NoSettings(), self.run_config.run.seed, cfg.system_prompt)
-        self.eval_problems = self.calculator.eval_tasks(cfg.eval_size)
+        self.chat_task = chat_task(cfg, self.run_config.run.seed)
+        self.eval_problems = self.chat_task.eval_tasks(cfg.eval_size)
 
     def dataset(self) -> Any:
-        data = self.run_config.data
-        return demonstration_problems(self.config.demonstrations, data.batch_size,
-                                      self.run_config.run.seed)  # fmt: skip
+        return self.chat_task.demonstrations(
+            self.config.demonstrations, self.run_config.data.batch_size
+        )
 
-    def rollout(self, problems: list[Problem], ctx: RolloutContext) -> Batch:  # type: ignore[override]
-        system = self.config.system_prompt
-        episodes = [
-            teacher_episode(self.template, demonstration(p, system), TOOLS) for p in problems
-        ]
+    def rollout(self, problems: list[Any], ctx: RolloutContext) -> Batch:  # type: ignore[override]
+        task = self.chat_task
+        episodes = [teacher_episode(self.template, task.demonstration(p), task.tools)
+                    for p in problems]  # fmt: skip
         return Batch(data=episode_tokens(episodes, self.template.pad_id))
 
     async def evaluate(self) -> dict[str, float]:  # type: ignore[override]
@@ -105,5 +108,5 @@ class HFAgenticSFTTrainer(HFSFTTrainer):
         return await evaluate_chat_agent(
             self.model, self.template, self.eval_problems, cfg.env, cfg.max_new_tokens,
             max_len(self.model), self.train_lane,
-            self.calculator.make_env, self.calculator.success,
+            self.chat_task.make_env, self.chat_task.success,
         )  # fmt: skip

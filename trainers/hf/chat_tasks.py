@@ -21,9 +21,10 @@ from typing import Any, ClassVar
 
 import msgspec
 
-from corun import Dataset, SetupContext
+from corun import Dataset, SetupContext, ShuffledBatches
 from corun.agents.chat_runner import ChatEnvironment
 from corun.contract.episodes import Episode
+from corun.contract.policy import ChatMessage, ToolSpec
 from trainers.agentic.calculator import EnvSettings
 
 # trainer.task -> "module:class" of its ChatTask.
@@ -48,6 +49,7 @@ class ChatTask:
     """
 
     Settings: ClassVar[type[msgspec.Struct]] = NoSettings
+    tools: ClassVar[Sequence[ToolSpec]] = ()  # what a demonstration's first render offers
 
     def __init__(self, settings: Any, seed: int, system_prompt: str) -> None:
         self.settings = settings
@@ -70,6 +72,18 @@ class ChatTask:
         evaluation); its seed derives from (run seed, index, row)."""
         raise NotImplementedError
 
+    def demonstration(self, task: Any) -> list[ChatMessage]:
+        """The ideal episode of ``task`` as messages: what the warm start
+        ``hf_agentic_sft`` learns from (a task without them does not override this)."""
+        raise NotImplementedError
+
+    def demonstrations(self, n: int, batch_size: int) -> Dataset:
+        """The tasks demonstrated: the first ``n`` training tasks in shuffled batches,
+        or (0) a fresh batch of training tasks every step."""
+        if n:
+            return ShuffledBatches(self.dataset(n).batch(0), batch_size, self.seed, shuffle=True)
+        return self.dataset(batch_size)
+
     def success(self, episode: Episode) -> bool:
         """An episode that did the task: it ended and earned the full reward of 1."""
         return episode.status == "done" and episode.reward == 1
@@ -80,6 +94,10 @@ def task_class(name: str) -> type[ChatTask]:
     module_name, _, attr = TASKS[name].partition(":")
     task: type[ChatTask] = getattr(importlib.import_module(module_name), attr)
     return task
+
+
+def has_demonstrations(name: str) -> bool:
+    return task_class(name).demonstration is not ChatTask.demonstration
 
 
 def task_settings(name: str, table: dict[str, Any]) -> msgspec.Struct:

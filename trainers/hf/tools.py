@@ -140,6 +140,8 @@ class CalculatorTask(ChatTask):
     """The built-in chat task (``trainer.task = "calculator"``): the problems, and a
     calculator environment per episode whose seed only times the tool."""
 
+    tools = TOOLS
+
     def dataset(self, batch_size: int) -> Problems:
         return Problems(batch_size, self.seed)
 
@@ -149,6 +151,9 @@ class CalculatorTask(ChatTask):
     def make_env(self, index: int, row: int, settings: EnvSettings) -> CalculatorChatEnv:
         seed = stable_seed("env", self.seed, index, row)
         return CalculatorChatEnv(settings, seed, self.system_prompt)
+
+    def demonstration(self, task: Problem) -> list[ChatMessage]:
+        return demonstration(task, self.system_prompt)
 
 
 # ----------------------------------------------------------------------------- an agent
