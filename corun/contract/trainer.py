@@ -227,6 +227,8 @@ class Stateful(Protocol):
 
 
 TeardownFn = Callable[[], Any]
+# Called with the endpoint's URL once it serves (after set-up): a client to start.
+ServingFn = Callable[[str], Awaitable[None]]
 
 
 class SetupContext:
@@ -260,6 +262,7 @@ class SetupContext:
         # capture) when the run has a source of them: an embedded session, or
         # [serve] enabled; a trainer that trains on them takes from it.
         self.inbox: EpisodeInbox | None = None
+        self.serving: list[ServingFn] = []
 
     def add_optimizer(
         self, optimizer: torch.optim.Optimizer, *, grad_clip: float = 0.0,
@@ -291,6 +294,12 @@ class SetupContext:
         self.teardowns.append((name, fn))
         if self._register is not None:
             self._register(name, fn)
+
+    def on_serving(self, fn: ServingFn) -> None:
+        """Await ``fn(url)`` once the run's endpoint (``[serve] enabled``) serves at
+        ``url``, before the baseline evaluation: the endpoint starts after set-up, so a
+        client of it (an agent process) starts here; an error fails the run."""
+        self.serving.append(fn)
 
 
 class Trainer(Generic[C]):

@@ -48,12 +48,14 @@ class ChildProcess:
     @classmethod
     def python_module(
         cls, module: str, args: Sequence[str], workdir: str | None = None,
-        env: dict[str, str] | None = None, **popen_kwargs: object,
+        env: dict[str, str] | None = None, python: str = sys.executable,
+        **popen_kwargs: object,
     ) -> ChildProcess:  # fmt: skip
         """``python -m module args``, ended with its session even if this process is
-        SIGKILLed (see the module docstring)."""
+        SIGKILLed (see the module docstring); ``python``: another environment's
+        interpreter (this file needs only the standard library)."""
         watch = {_PARENT_ENV: str(os.getpid()), _WORKDIR_ENV: workdir or ""}
-        argv = [sys.executable, os.path.abspath(__file__), module, *args]
+        argv = [python, os.path.abspath(__file__), module, *args]
         return cls(argv, workdir, env={**(env or os.environ), **watch}, **popen_kwargs)
 
     @property

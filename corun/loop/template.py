@@ -33,7 +33,7 @@ import anyio.abc
 from corun.base.config import Config
 from corun.base.errors import first_error
 from corun.base.rng import seed_everything
-from corun.contract.trainer import Batch, Outcome, SetupContext, Trainer, overrides
+from corun.contract.trainer import Batch, Outcome, ServingFn, SetupContext, Trainer, overrides
 from corun.execution import device, distributed, guest
 from corun.execution.compute import abandoning, blocking_io, call_hook
 from corun.loop.cadence import Cadence
@@ -124,6 +124,7 @@ class _Run:
         self.plain_update = False  # the update is one plain call on the train lane
         self.colocation = Colocation((), self.cadence, phases)  # engines that sleep
         self.outcome: Outcome | None = None
+        self.serving_hooks: list[ServingFn] = []  # the trainer's, run once it serves
 
     # ------------------------------------------------------------------ the template
 
@@ -195,6 +196,7 @@ class _Run:
             await call_hook(self.lanes.train, trainer.setup, ctx)
         self.events.emit("setup", self.clock.step)
         self.checkpointer.kept = ctx.kept
+        self.serving_hooks = ctx.serving
         self.colocation.engines = ctx.sleepers
         self.updater = Updater.of(trainer, ctx.optimizers, config)
         self.plain_update = self._update_is_plain()
@@ -221,6 +223,8 @@ class _Run:
         self.session.endpoint_url = url
         self.events.emit("endpoint", self.clock.step, url=url)
         self._note(f"serving {url}")
+        for hook in self.serving_hooks:
+            await hook(url)
 
     def _note(self, text: str) -> None:
         self.reporter.progress.note(f"corun: {text}")
