@@ -51,7 +51,8 @@ class ChatStep(NamedTuple):
 
 
 class ChatEnvironment(Protocol):
-    """One episode's environment, in messages."""
+    """One episode's environment, in messages. One with an ``async def aclose()`` has
+    it called once the rollout's episodes have all ended."""
 
     @property
     def tools(self) -> Sequence[ToolSpec]: ...
@@ -138,7 +139,19 @@ async def run_chat_episodes(
             if _observe(episodes[i], talks[i], template, steps[row], generations[row], last_turn,
                         max_len)
         ]  # fmt: skip
+    await _close_all(envs)
     return episodes
+
+
+async def _close_all(envs: Sequence[ChatEnvironment]) -> None:
+    """End every episode's environment that has an ``aclose()`` (optional: one that holds
+    a session, e.g. corun/agents/openenv.py's, which an episode cut at its turn or
+    token limit would otherwise leave open)."""
+    async with anyio.create_task_group() as tg:
+        for env in envs:
+            aclose = getattr(env, "aclose", None)
+            if aclose is not None:
+                tg.start_soon(aclose)
 
 
 async def _reset(

@@ -1,0 +1,1 @@
+"""The guessing game's server side: the Environment and its FastAPI app."""
