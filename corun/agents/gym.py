@@ -42,7 +42,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from corun.agents.threaded import EnvCalls, finite_reward
+from corun.agents.threaded import EnvCalls, finite_reward, shape
 from corun.contract.episodes import Step
 
 if TYPE_CHECKING:
@@ -78,7 +78,7 @@ class GymEnvironment:
         result = self.env.reset(seed=self.seed, options=self.options(task))
         if not (isinstance(result, tuple) and len(result) == 2):
             raise TypeError(
-                f"reset() returned {_shape(result)}, not (observation, info); an observation "
+                f"reset() returned {shape(result)}, not (observation, info); an observation "
                 "alone is the API of gym < 0.26"
             )
         return _text(result[0], "reset()")
@@ -87,7 +87,7 @@ class GymEnvironment:
         result = self.env.step(reply)
         if not (isinstance(result, tuple) and len(result) == 5):
             raise TypeError(
-                f"step() returned {_shape(result)}, not (observation, reward, terminated, "
+                f"step() returned {shape(result)}, not (observation, reward, terminated, "
                 "truncated, info); a 4-tuple with one `done` is the API of gym < 0.26"
             )
         observation, reward, terminated, truncated, info = result
@@ -113,9 +113,3 @@ def _text(observation: object, call: str) -> str:
             "policies read text (gymnasium.spaces.Text)"
         )
     return observation
-
-
-def _shape(result: object) -> str:
-    if isinstance(result, tuple):
-        return f"a {len(result)}-tuple"
-    return f"a {type(result).__name__}"

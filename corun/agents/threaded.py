@@ -95,3 +95,10 @@ def finite_reward(reward: object, call: str = "step()") -> float:
     if not math.isfinite(value):
         raise ValueError(f"{call} returned the reward {value}; it must be finite")
     return value
+
+
+def shape(result: object) -> str:
+    """What an API call returned, for a message: "a 4-tuple", "a list"."""
+    if isinstance(result, tuple):
+        return f"a {len(result)}-tuple"
+    return f"a {type(result).__name__}"
