@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from typing import Any
 
+import httpx
 import openai
 import verifiers.v1 as vf
 from verifiers.v1.runtimes import ProgramResult
@@ -31,9 +32,22 @@ class CorunChat(vf.Harness[CorunChatConfig]):
     ) -> ProgramResult:  # fmt: skip
         system, prompt = self.resolve_prompt(data)
         messages = initial_messages(system, prompt)
-        async with openai.AsyncOpenAI(base_url=endpoint, api_key=secret, max_retries=0) as client:
-            await client.chat.completions.create(model=ctx.model, messages=messages)
+        client = openai.AsyncOpenAI(
+            base_url=endpoint, api_key=secret, max_retries=0, http_client=shared_http()
+        )
+        await client.chat.completions.create(model=ctx.model, messages=messages)
         return ProgramResult(exit_code=0, stdout="", stderr="")
+
+
+_http: list[httpx.AsyncClient] = []
+
+
+def shared_http() -> httpx.AsyncClient:
+    """One HTTP client for every episode: a client of its own costs each episode a TLS
+    context (~20 ms of CPU, ~1 MB) though it only talks to the local interception."""
+    if not _http:
+        _http.append(httpx.AsyncClient(timeout=httpx.Timeout(30.0, read=None)))
+    return _http[0]
 
 
 def initial_messages(system: str | None, prompt: object) -> list[Any]:

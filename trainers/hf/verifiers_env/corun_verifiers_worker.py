@@ -42,6 +42,25 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     return parser.parse_args(argv)
 
 
+def share_tls_context() -> None:
+    """Give every verifiers client one TLS context. verifiers builds an HTTP client per
+    episode (its base URL is the episode's), and each would load the CA bundle into a
+    context of its own: ~20 ms of CPU and ~1 MB of memory that is never handed back,
+    per episode (measured with 0.4.0). Patched where its eval client looks it up."""
+    import ssl
+
+    import httpx
+    from verifiers.v1.clients import base, eval
+
+    context = ssl.create_default_context()
+
+    def build(config: Any) -> httpx.AsyncClient:
+        timeout = httpx.Timeout(**config.timeout.model_dump())
+        return httpx.AsyncClient(timeout=timeout, limits=base.DEFAULT_LIMITS, verify=context)
+
+    eval.build_async_httpx = build
+
+
 def load_env(args: argparse.Namespace) -> Any:
     """The verifiers environment: the taskset by id, played by one agent whose harness
     runs on this host (the subprocess runtime: no container)."""
@@ -49,6 +68,7 @@ def load_env(args: argparse.Namespace) -> Any:
 
     import verifiers.v1 as vf
 
+    share_tls_context()
     taskset = {"id": args.taskset, **json.loads(args.taskset_args)}
     agent = {"harness": {"id": args.harness}, "runtime": {"type": "subprocess"}}
     return vf.SingleAgentEnv(vf.SingleAgentEnvConfig(taskset=taskset, agent=agent))
@@ -75,6 +95,7 @@ class Worker:
         """One episode on its own base URL; its rubric reward reported to the run (the
         report waits while the run's inbox is full)."""
         import verifiers.v1 as vf
+        from verifiers.v1.env import RunSlot
 
         episode_id = f"vf-{group}-{uuid.uuid4().hex[:12]}"
         client = vf.EvalClientConfig(
@@ -84,7 +105,8 @@ class Worker:
             max_tokens=self.args.max_tokens, temperature=self.args.temperature
         )
         ctx = vf.ModelContext(model=self.args.model, client=client, sampling=sampling)
-        played = await self.env.run_episode(task, ctx)
+        # run_slot, not run_episode: it also hands freed memory back to the OS.
+        played = await self.env.run_slot(RunSlot(task), ctx)
         reward = played.traces[0].reward if played.traces else 0.0
         if not played.ok:  # scored 0 (or as far as it got); said once per episode
             errors = [*played.errors, *(e for t in played.traces for e in t.errors)]
