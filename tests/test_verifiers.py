@@ -13,7 +13,7 @@ import signal
 import subprocess
 import time
 from pathlib import Path
-from typing import Any
+from typing import IO, Any
 
 import pytest
 
@@ -123,8 +123,12 @@ def test_ctrl_c_exits_130_and_ends_the_worker(scratch: Path) -> None:
         assert_interrupted(run, run.wait_exit(), signal.SIGINT, complete=False)
         assert not _worker_pids(run_dir)
     finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
-        for f in (out, err):
-            f.close()
+        _end(proc, out, err)
+
+
+def _end(proc: subprocess.Popen[bytes], *files: IO[bytes]) -> None:
+    if proc.poll() is None:
+        proc.kill()
+    proc.wait()
+    for f in files:
+        f.close()
