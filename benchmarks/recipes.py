@@ -82,10 +82,11 @@ class Check:
 # syncs, the async tests) and whose sibling's figure CI checks; and hf_agentic_sft with
 # hf_agentic, whose spread over runs (docs/recipes.md) makes the tolerance so wide that
 # only a collapse would fail it (tests/test_hf_agentic.py runs them end to end in CI);
-# and skyrl_sft with skyrl, whose gain tests/test_skyrl.py asserts in CI.
+# and skyrl_sft with skyrl, whose gain tests/test_skyrl.py asserts in CI, as
+# tests/test_reasoning_gym.py asserts rg_grpo's over rg_sft.
 LONG_ONLY = frozenset({"grpo_async", "agentic_async", "hf_grpo_vllm", "hf_agentic_vllm",
                        "hf_agentic_async", "hf_agentic_sft", "hf_agentic", "skyrl_sft",
-                       "skyrl"})  # fmt: skip
+                       "skyrl", "rg_sft", "rg_grpo"})  # fmt: skip
 
 
 # In dependency order: a recipe after the warm starts it names, so that a measurement
@@ -133,6 +134,8 @@ CHECKS = (
     Check("hf_agentic_async", "eval/success", 256, ("run.steps=30",), "success"),
     Check("skyrl_sft", "eval/success", 256, label="success"),
     Check("skyrl", "eval/reward", 256, label="env reward"),
+    Check("rg_sft", "eval/reward", 512, label="reasoning-gym task score"),
+    Check("rg_grpo", "eval/reward", 512, label="reasoning-gym task score"),
 )
 
 
