@@ -40,6 +40,7 @@ import msgspec
 from corun import SetupContext, stable_seed
 from corun.agents.openenv import OpenEnvEnvironment, TextFields, generic_client
 from corun.base.errors import ConfigError
+from corun.contract.episodes import Episode
 from corun.execution.procs import ChildProcess, free_port
 from trainers.agentic.calculator import EnvSettings
 from trainers.hf.chat_tasks import ChatTask
@@ -56,6 +57,9 @@ class OpenEnvSettings(msgspec.Struct, frozen=True, forbid_unknown_fields=True, k
     app: str = ""  # ... or the app the run serves, "module:attr"
     action_field: str = "message"  # the action's field the reply's text fills
     observation_field: str = "message"  # the observation's field shown as the user's turn
+    # An episode succeeds when it ends with at least this reward (the environment's
+    # steps' rewards summed: partial credit on the way need not count as success).
+    success_reward: float = 1.0
     start_timeout_s: Seconds = 60.0  # for the served app to answer /health
     connect_timeout_s: Seconds = 10.0  # per connection (a session per episode; the url's check)
 
@@ -112,6 +116,9 @@ class OpenEnvTask(ChatTask):
     def eval_tasks(self, n: int) -> list[int]:
         rng = random.Random(stable_seed("openenv-eval"))
         return [_draw(rng, want_held_out=True) for _ in range(n)]
+
+    def success(self, episode: Episode) -> bool:
+        return episode.status == "done" and episode.reward >= self.settings.success_reward
 
     def make_env(self, index: int, row: int, settings: EnvSettings) -> OpenEnvEnvironment:
         s = self.settings
