@@ -111,7 +111,9 @@ class VerifiersTask(ChatTask):
             line = await anyio.to_thread.run_sync(stdout.readline, abandon_on_cancel=True)
         if not line.startswith(b"ready"):
             code = self.worker.popen.wait()
-            raise RuntimeError(f"the verifiers worker exited {code}: {last_line(log)}")
+            raise ConfigError(
+                f"`$.trainer.environment`: the verifiers worker exited {code}: {last_line(log)}"
+            )
 
     def stop(self) -> None:
         if self.worker is not None:
