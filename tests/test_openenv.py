@@ -11,6 +11,7 @@ import json
 import random
 import signal
 import subprocess
+import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -234,6 +235,14 @@ async def test_an_unreachable_url_or_a_dying_app_fails_the_start_in_one_line(
     assert dead in str(unreachable.value) and "\n" not in str(unreachable.value)
     message = str(died.value)
     assert "no_such_module" in message and "exited" in message and "\n" not in message
+
+
+def test_without_openenv_the_task_says_how_to_install_it(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setitem(sys.modules, "openenv.core.generic_client", None)  # import fails
+    with pytest.raises(
+        ConfigError, match=r"needs the openenv-core package: pip install -e '\.\[openenv\]'"
+    ):
+        _task("http://127.0.0.1:1")
 
 
 def _corun(args: list[str], cwd: Path, timeout: float = 240) -> subprocess.CompletedProcess[str]:
