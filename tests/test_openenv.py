@@ -7,6 +7,8 @@ line; the recipe learns (its documented gain); Ctrl-C mid-run leaves no server."
 
 from __future__ import annotations
 
+import contextlib
+import itertools
 import json
 import random
 import signal
@@ -18,6 +20,7 @@ from pathlib import Path
 from typing import Any
 
 import anyio
+import httpx
 import pytest
 import torch
 
@@ -391,3 +394,79 @@ async def test_an_async_run_plays_the_served_environment(
     assert len(rollouts) == 4
     assert all(r["rollout/env_failures"] == 0 and r["rollout/turns_mean"] >= 1 for r in rollouts)
     assert [r["eval/env_failures"] for r in records if "eval/success" in r] == [0, 0]
+
+
+async def _play_through_the_endpoint(
+    http: httpx.AsyncClient, env_url: str, task: int, episode: str, group: str
+) -> float:
+    """An agent outside the trainer: it plays one game of the served environment through
+    openenv's client, asking the policy through the endpoint (the episode recorded for
+    training), and reports the game's reward."""
+    env = OpenEnvEnvironment(generic_client(env_url), seed=corun.stable_seed(episode))
+    messages = [{"role": m.role, "content": m.text()} for m in await env.reset(task)]
+    reward = 0.0
+    for _ in range(3):
+        body = {"model": "guess", "messages": messages, "max_tokens": 4, "temperature": 1.0,
+                "episode_id": episode, "group": group}  # fmt: skip
+        response = await http.post("/v1/chat/completions", json=body)
+        response.raise_for_status()
+        text = response.json()["choices"][0]["message"]["content"] or ""
+        messages.append({"role": "assistant", "content": text})
+        step = await env.step(_reply(text))
+        reward += step.reward
+        if step.done:
+            break
+        messages += [{"role": m.role, "content": m.text()} for m in step.messages]
+    await env.aclose()
+    reported = await http.post(f"/v1/episodes/{episode}/reward", json={"reward": reward})
+    reported.raise_for_status()
+    return reward
+
+
+async def _agents(endpoint: str, env_url: str, played: list[float]) -> None:
+    """Rounds of two games x two episodes (a GRPO group each) until the run stops."""
+
+    async def game(http: httpx.AsyncClient, round_index: int, k: int) -> None:
+        group = f"r{round_index}-g{k // 2}"
+        with contextlib.suppress(httpx.HTTPError):  # cut off: the endpoint stopped
+            reward = await _play_through_the_endpoint(http, env_url, k // 2, f"{group}-{k}", group)
+            played.append(reward)
+
+    async with httpx.AsyncClient(base_url=endpoint, timeout=60) as http:
+        for round_index in itertools.count():
+            async with anyio.create_task_group() as games:
+                for k in range(4):
+                    games.start_soon(game, http, round_index, k)
+
+
+@pytest.mark.slow
+@pytest.mark.anyio
+async def test_agents_play_it_through_the_endpoint_into_an_async_run(
+    url: str, tmp_path: Path, anyio_backend: str
+) -> None:
+    """``episodes = "submitted"`` with ``loop.concurrency = 2``: agents play the game
+    through openenv's client and the policy endpoint; the endpoint's capture hands their
+    episodes to the trainer, whose recomputed log-probs match the behaviour ones."""
+    trainer = {
+        "kind": "hf_agentic", "model": "tiny-llama", "task": "openenv", "samples_per_prompt": 2,
+        "max_new_tokens": 4, "eval_size": 4, "episodes": "submitted",
+        "environment": {"url": url},
+    }  # fmt: skip
+    config = make_config(
+        tmp_path / "run", trainer, run={"steps": 3, "name": "guess"}, data={"batch_size": 2},
+        loop={"concurrency": 2, "workers": 2, "baseline_eval": False, "eval_interval": 3},
+        serve={"enabled": True},
+    )  # fmt: skip
+    played: list[float] = []
+    with anyio.fail_after(180):
+        async with anyio.create_task_group() as host:
+            async with corun.training(config) as session:
+                assert session.endpoint_url is not None
+                host.start_soon(_agents, session.endpoint_url, url, played)
+                await session.finished()
+            host.cancel_scope.cancel()
+    assert len(played) >= 12
+    records = read_records(tmp_path / "run" / "metrics.jsonl")
+    first = next(r for r in records if "train/kl" in r)
+    assert first["train/kl"] < 1e-6 and first["rollout/turns_mean"] >= 1
+    assert len([r for r in records if "rollout/turns_mean" in r]) == 3
