@@ -240,6 +240,20 @@ async def test_an_unreachable_url_or_a_dying_app_fails_the_start_in_one_line(
     assert "no_such_module" in message and "exited" in message and "\n" not in message
 
 
+async def _start_on_trio() -> None:
+    with anyio.fail_after(10):
+        await _task(f"http://127.0.0.1:{free_port()}").start(Teardowns())  # type: ignore[arg-type]
+
+
+def test_under_trio_the_task_says_it_needs_asyncio_in_one_line() -> None:
+    """openenv's client is asyncio code: a trio run (or a trio host) is refused at start
+    with the setting to change, before any server starts."""
+    with pytest.raises(
+        ConfigError, match=r"runs on asyncio only, this run is on trio; set run\.backend"
+    ):
+        anyio.run(_start_on_trio, backend="trio")
+
+
 def test_without_openenv_the_task_says_how_to_install_it(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setitem(sys.modules, "openenv.core.generic_client", None)  # import fails
     with pytest.raises(

@@ -36,6 +36,7 @@ from typing import Annotated
 import anyio
 import httpx
 import msgspec
+import sniffio
 
 from corun import SetupContext, stable_seed
 from corun.agents.openenv import OpenEnvEnvironment, TextFields, generic_client
@@ -105,6 +106,11 @@ class OpenEnvTask(ChatTask):
         self.url = settings.url.rstrip("/")
 
     async def start(self, ctx: SetupContext) -> None:
+        if (loop := sniffio.current_async_library()) != "asyncio":
+            raise ConfigError(
+                f'`$.trainer.task` = "openenv": openenv\'s client runs on asyncio only, '
+                f'this run is on {loop}; set run.backend = "asyncio"'
+            )
         if self.settings.app:
             self.url = await serve(self.settings.app, self.settings.start_timeout_s, ctx)
         else:
