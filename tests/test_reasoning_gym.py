@@ -252,10 +252,11 @@ def recipe(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Any, Any]
 @pytest.mark.slow
 def test_the_recipe_gains_over_its_warm_start(recipe: tuple[Any, Any]) -> None:
     """configs/rg_grpo.toml from rg_sft.toml's checkpoint: the held-out task score
-    rises over the warm start's final evaluation by more than 2 standard errors of the
-    difference (measured 2026-12-06: 0.371 -> 0.485, +0.114, 3.9 standard errors;
-    docs/recipes.md). The issue's target, +0.15, is not reached yet."""
+    rises over the warm start's final evaluation by 0.15 or more, and by more than 3
+    standard errors of the difference (measured 2026-12-06: 0.371 -> 0.539, +0.168,
+    5.7 standard errors; docs/recipes.md)."""
     sft, grpo = recipe
     assert grpo.start == pytest.approx(sft.final)  # GRPO's first evaluation: the warm start
     se = math.hypot(sft.se, grpo.se)
-    assert grpo.final - grpo.start > 2 * se, (sft, grpo)
+    assert grpo.final - grpo.start >= 0.15, (sft, grpo)
+    assert grpo.final - grpo.start > 3 * se, (sft, grpo)
