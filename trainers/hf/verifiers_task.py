@@ -73,7 +73,7 @@ class VerifiersTask(ChatTask):
             )
         args = self.worker_args(config)
         log = Path(config.run_dir) / "verifiers_worker.log"
-        ctx.on_teardown("verifiers_worker", self.stop)
+        ctx.on_teardown("verifiers_worker", lambda: anyio.to_thread.run_sync(self.stop))
 
         async def launch(url: str) -> None:
             await self.launch(url, args, log)
