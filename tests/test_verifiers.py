@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import importlib
 import json
+import os
 import signal
 import subprocess
 import time
@@ -130,6 +131,34 @@ def test_ctrl_c_exits_130_and_ends_the_worker(scratch: Path) -> None:
         assert names.index("teardown:verifiers_worker") < names.index("teardown:engine")
         assert names[-1] == "end"
         assert not _worker_pids(run_dir)
+    finally:
+        _end(proc, out, err)
+
+
+def test_a_worker_that_dies_mid_run_fails_the_run_in_one_line(scratch: Path) -> None:
+    """Nothing else submits the episodes: a worker killed mid-run ends the run (exit 1,
+    the worker named) instead of leaving it waiting on its inbox."""
+    run_dir = scratch / "worker-died"
+    command = [*corun_command(), "train", str(REPO / "configs" / "hf_verifiers.toml"),
+               f"run.dir={run_dir}", "run.steps=1000", "loop.baseline_eval=false",
+               "log.progress=off"]  # fmt: skip
+    logs = scratch / "worker-died-logs"
+    logs.mkdir()
+    out, err = (logs / "stdout.txt").open("wb"), (logs / "stderr.txt").open("wb")
+    proc = subprocess.Popen(
+        command, cwd=scratch, env=environment(), stdin=subprocess.DEVNULL, stdout=out,
+        stderr=err,
+    )  # fmt: skip
+    run = CorunRun(proc, logs, run_dir, _files=[out, err])
+    try:
+        run.wait_until(
+            "a step trained on the worker's episodes", lambda: run.names().count("step") >= 1, 300
+        )
+        for pid in _worker_pids(run_dir):
+            os.kill(pid, signal.SIGKILL)
+        assert run.wait_exit() == 1, run.stderr()
+        assert "the verifiers worker exited -9 mid-run" in _last_line(run.stderr())
+        assert run.names()[-1] == "end"
     finally:
         _end(proc, out, err)
 

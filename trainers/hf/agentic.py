@@ -126,7 +126,7 @@ class HFAgentic(HFRollouts):
     async def rollout(self, problems: list[Any], ctx: RolloutContext) -> Batch:
         cfg, n = self.config, self.config.samples_per_prompt
         if self.inbox is not None:
-            episodes = await self.inbox.take(len(problems))
+            episodes = await self.task.submitted(self.inbox, len(problems))
         else:
             tasks = [problem for problem in problems for _ in range(n)]
             envs = [self.task.make_env(ctx.index, row, cfg.env) for row in range(len(tasks))]

@@ -23,7 +23,7 @@ import msgspec
 
 from corun import Dataset, SetupContext, ShuffledBatches
 from corun.agents.chat_runner import ChatEnvironment
-from corun.contract.episodes import Episode
+from corun.contract.episodes import Episode, EpisodeInbox
 from corun.contract.policy import ChatMessage, ToolSpec
 from trainers.agentic.calculator import EnvSettings
 
@@ -83,6 +83,11 @@ class ChatTask:
         if n:
             return ShuffledBatches(self.dataset(n).batch(0), batch_size, self.seed, shuffle=True)
         return self.dataset(batch_size)
+
+    async def submitted(self, inbox: EpisodeInbox, n: int) -> list[Episode]:
+        """The next ``n`` groups of submitted episodes (``trainer.episodes =
+        "submitted"``); a task whose own process submits them watches it here."""
+        return await inbox.take(n)
 
     def success(self, episode: Episode) -> bool:
         """An episode that did the task: it ended and earned the full reward of 1."""

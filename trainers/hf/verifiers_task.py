@@ -33,6 +33,7 @@ import msgspec
 from corun import ConfigError, Dataset, SetupContext, stable_seed
 from corun.agents.chat import ChatMessage, ToolSpec
 from corun.agents.chat_runner import ChatStep
+from corun.contract.episodes import Episode, EpisodeInbox
 from corun.execution.procs import ChildProcess
 from trainers.agentic.calculator import EnvSettings
 from trainers.hf.chat_tasks import ChatTask
@@ -42,6 +43,11 @@ from trainers.hf.tasks import Example, WordProblems, eval_problems, held_out, pr
 WORKER_DIR = Path(__file__).with_name("verifiers_env")
 WORKER = "corun_verifiers_worker"
 WORD_PROBLEMS = "corun-word-problems"
+WATCH_S = 0.5  # how often a rollout waiting on episodes checks the worker is alive
+
+
+class WorkerExited(RuntimeError):
+    """The worker ended while the run waited on its episodes."""
 
 
 class VerifiersSettings(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
@@ -60,6 +66,7 @@ class VerifiersTask(ChatTask):
     settings: VerifiersSettings
 
     worker: ChildProcess | None = None
+    log = Path("verifiers_worker.log")  # the worker's stderr, in the run directory
 
     async def start(self, ctx: SetupContext) -> None:
         """Checked at set-up; the worker starts once the endpoint serves."""
@@ -72,7 +79,7 @@ class VerifiersTask(ChatTask):
                 "verifiers environment with `python -m trainers.hf.verifiers_env`"
             )
         args = self.worker_args(config)
-        log = Path(config.run_dir) / "verifiers_worker.log"
+        log = self.log = Path(config.run_dir) / "verifiers_worker.log"
         ctx.on_teardown("verifiers_worker", lambda: anyio.to_thread.run_sync(self.stop))
 
         async def launch(url: str) -> None:
@@ -118,6 +125,23 @@ class VerifiersTask(ChatTask):
     def stop(self) -> None:
         if self.worker is not None:
             self.worker.stop()
+
+    async def submitted(self, inbox: EpisodeInbox, n: int) -> list[Episode]:
+        """The worker's episodes. Nothing else submits them: a worker that exits fails
+        the run (naming its log's last line) instead of leaving it waiting forever."""
+        episodes: list[Episode] = []
+        async with anyio.create_task_group() as group:
+            group.start_soon(self._watch_worker)
+            episodes = await inbox.take(n)
+            group.cancel_scope.cancel()
+        return episodes
+
+    async def _watch_worker(self) -> None:
+        assert self.worker is not None, "the worker starts once the endpoint serves"
+        # Polled: a thread blocked in wait() could not be cancelled, one left per step.
+        while (code := self.worker.popen.poll()) is None:  # noqa: ASYNC110
+            await anyio.sleep(WATCH_S)
+        raise WorkerExited(f"the verifiers worker exited {code} mid-run: {last_line(self.log)}")
 
     def dataset(self, batch_size: int) -> Dataset:
         # Counts the steps: the episodes themselves are the worker's.
