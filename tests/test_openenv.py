@@ -392,10 +392,12 @@ async def test_an_async_run_plays_the_served_environment(
 ) -> None:
     """``loop.concurrency = 2``: two rollouts' episodes in flight on the served game at
     once, every one played to its end (no failures, no session left behind to run out
-    of the server's capacity)."""
+    of the server's capacity), under the agentic corrections: the decoupled objective
+    and a token-level rollout correction, whose metrics each update reports."""
     trainer = {
         "kind": "hf_agentic", "model": "tiny-llama", "task": "openenv", "samples_per_prompt": 2,
         "max_new_tokens": 4, "eval_size": 8, "environment": {"app": APP},
+        "off_policy_correction": "decoupled", "rollout_correction": "token-tis",
     }  # fmt: skip
     config = make_config(
         tmp_path / "run", trainer, run={"steps": 4}, data={"batch_size": 4},
@@ -408,6 +410,9 @@ async def test_an_async_run_plays_the_served_environment(
     assert len(rollouts) == 4
     assert all(r["rollout/env_failures"] == 0 and r["rollout/turns_mean"] >= 1 for r in rollouts)
     assert [r["eval/env_failures"] for r in records if "eval/success" in r] == [0, 0]
+    updates = [r for r in records if "train/loss" in r]
+    assert len(updates) == 4
+    assert all(r["train/correction/weight_mean"] > 0 and "train/mismatch/k3" in r for r in updates)
 
 
 async def _play_through_the_endpoint(
