@@ -103,6 +103,29 @@ async def test_single_turn_gsm8k_and_the_env_is_closed_once_done(anyio_backend: 
     assert closing.closed == 1
 
 
+@pytest.mark.anyio
+async def test_an_episode_cut_short_is_closed_by_aclose_once(anyio_backend: str) -> None:
+    """An episode the runner cut at its turn limit (the env never said done) has its env
+    closed by ``aclose`` at the end of the rollout; a second ``aclose``, or one after
+    the env closed itself, does nothing."""
+    cut = Closing(good(done=False))
+    adapter = SkyRLEnvironment(fixed(cut))
+    with anyio.fail_after(5):
+        await adapter.reset(ROW)
+        await adapter.step(say("x"))
+        assert cut.closed == 0
+        await adapter.aclose()
+        await adapter.aclose()
+    assert cut.closed == 1
+    ended = Closing(good())
+    adapter = SkyRLEnvironment(fixed(ended))
+    with anyio.fail_after(5):
+        await adapter.reset(ROW)
+        await adapter.step(say("x"))
+        await adapter.aclose()
+    assert ended.closed == 1
+
+
 @pytest.mark.parametrize(
     ("output", "error", "match"),
     [

@@ -29,8 +29,8 @@ How the two APIs meet:
   the env raises.
 - SkyRL envs are synchronous: every call, the env's construction included, runs in a
   worker thread as Gymnasium's do (corun/agents/threaded.py: one env per episode, a
-  timed-out call abandoned, the env closed once done or on any error; an episode the
-  runner cuts at its turn or token limit is dropped unclosed).
+  timed-out call abandoned, the env closed once done, on any error, or by ``aclose``
+  when the runner cut its episode at the turn or token limit).
 """
 
 from __future__ import annotations
@@ -81,6 +81,11 @@ class SkyRLEnvironment:
 
     async def step(self, reply: ChatMessage) -> ChatStep:
         return await self._calls.run(self._step, reply.text())
+
+    async def aclose(self) -> None:
+        """Close the env of an episode the runner cut (the chat runner calls it at the
+        end of the rollout); nothing once it is closed."""
+        await self._calls.aclose()
 
     # ---- in the worker thread
 

@@ -12,9 +12,9 @@ slow env holds up only its own episode. What that asks of the caller:
   cannot stop a thread. The episode ends at once ("timeout"), the env's call runs on in
   its thread, and further calls are refused.
 - The env is closed when its episode ends: the adapter's ``close()`` once the env says
-  done, or any error a call raises. An episode that the runner cuts at its turn or
-  token limit, or that times out, is dropped unclosed (corun's environment protocols
-  have no end-of-episode call, and a timed-out call still runs).
+  done, or any error a call raises; an episode the chat runner cut at its turn or
+  token limit, by ``aclose()`` at the end of its rollout. One that times out is
+  dropped unclosed (its call still runs in its thread).
 - Calls share anyio's default thread limiter (40 threads): the 41st concurrent call
   waits, and the wait counts against the step timeout; an abandoned call holds its
   thread until it returns. Raise the limit for many concurrent episodes with
@@ -23,6 +23,7 @@ slow env holds up only its own episode. What that asks of the caller:
 
 from __future__ import annotations
 
+import contextlib
 import math
 import numbers
 import threading
@@ -51,6 +52,15 @@ class EnvCalls:
         # abandon_on_cancel: a cancelled call returns at once (the step timeout works);
         # without it, cancellation would wait for the env, a hung one forever.
         return await anyio.to_thread.run_sync(self._in_thread, fn, arg, abandon_on_cancel=True)
+
+    async def aclose(self) -> None:
+        """End an episode that no call ended (the runner cut it): close the env in a
+        worker thread, best effort; nothing when it is closed already or still in an
+        abandoned call."""
+        if self._closed or self._in_call.locked():
+            return
+        with contextlib.suppress(Exception):  # an env that cannot close is not the run's error
+            await self.run(lambda _: self.close(), None)
 
     def close(self, error: Exception | None = None) -> None:
         """End the episode from inside a call: close the env. With the ``error`` that
