@@ -80,8 +80,9 @@ def warm_start(init_from: str, load: Callable[[dict[str, Any]], M], what: str) -
 
 def warm_start_runs(*init_from: str) -> list[str]:
     """The warm starts among ``init_from`` that name a run's config, not a checkpoint
-    directory: a trainer's prerequisites, trained first when their final checkpoint is
-    missing."""
+    directory: a trainer's prerequisites (return them from ``Trainer.prerequisites``),
+    trained first when their final checkpoint is missing, in the run directory that
+    config names (``run.dir``, else ``runs/<run.name>`` under the working directory)."""
     return [path for path in init_from if is_config(path)]
 
 

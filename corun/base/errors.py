@@ -23,7 +23,8 @@ class UsageError(Exception):
 
 
 class ConfigError(UsageError):
-    pass
+    """A setting that cannot work (raise it from a trainer's ``setup`` naming the key,
+    ``$.trainer.<key>``): the run stops before it starts, one line, exit status 2."""
 
 
 class DataError(UsageError):

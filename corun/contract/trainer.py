@@ -232,7 +232,8 @@ ServingFn = Callable[[str], Awaitable[None]]
 
 
 class SetupContext:
-    """Handed to ``Trainer.setup``: where a trainer registers its optimizers, the
+    """Handed to ``Trainer.setup``: the run's whole config (``config``) and the device
+    its models go on (``device``); where a trainer registers its optimizers, the
     resources that need teardown, and extra state the checkpoint must hold.
 
     Teardown runs in the reverse order of registration, each step shielded and under

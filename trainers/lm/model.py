@@ -140,6 +140,10 @@ def refuse_padding(attention_mask: Tensor | None) -> None:
 
 
 class Decoded(NamedTuple):
+    """What :func:`decode` returns: ``tokens``, the (batch, n) new ids (after a row's
+    stop id, the stop id again); ``logprobs``, each one's log-prob under the sampling
+    distribution; ``versions``, the (n,) weight version that made each position."""
+
     tokens: Tensor  # (batch, n) new ids; after a row's stop_id, stop_id again
     logprobs: Tensor  # (batch, n) log-prob of each token under the sampling distribution
     versions: Tensor  # (n,) weight version that produced each position's tokens
@@ -157,7 +161,8 @@ def decode(
     generator: torch.Generator | None = None,
     weights_version: Callable[[], int] = lambda: 0,
 ) -> Decoded:
-    """Batched decoding of equal-length prompts: greedy, or sampled with top-p.
+    """Batched decoding of equal-length prompts → :class:`Decoded` (``.tokens``: the
+    (batch, n) new ids): greedy at ``temperature`` 0, sampled with top-p above it.
 
     ``temperature`` 0 is greedy and draws nothing; above 0 samples from ``generator``
     (torch's RNG if None; :func:`generator_on` for a GPU model) within the top-p

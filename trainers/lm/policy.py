@@ -151,12 +151,15 @@ def response_logprobs(
     model: CausalPolicy, sequences: Tensor, prompt_len: int, temperature: float,
     attention_mask: Tensor | None = None, chunk: int = LOGITS_CHUNK,
 ) -> tuple[Tensor, Tensor, Tensor]:  # fmt: skip
-    """Per-token log-probs and entropies of the response part of ``sequences``.
+    """Per-token log-probs and entropies of the response part of ``sequences`` → (logp,
+    entropy, hidden), each over the response positions; the logits are divided by
+    ``temperature`` first, as sampling at that temperature divides them.
 
-    Logits are divided by ``temperature``, as when sampling, so the ratio to the
-    behaviour log-probs is 1 for unchanged weights. ``attention_mask`` marks the real
-    tokens of left-padded prompts. Returns (logp, entropy, hidden) over the T response
-    positions; ``hidden`` feeds a value head.
+    Pass the temperature the responses were sampled at: dividing as the sampler did
+    makes the ratio to the behaviour log-probs 1 for unchanged weights (1.0: the
+    model's own distribution; a temperature near 0 is floored at 1e-6).
+    ``attention_mask`` marks the real tokens of left-padded prompts; ``hidden`` feeds a
+    value head.
 
     ``chunk`` bounds the logits (positions x vocabulary entries) held at once: a batch
     with more is computed a few positions at a time (see :func:`in_chunks`); 0 or a
