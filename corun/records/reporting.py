@@ -42,7 +42,7 @@ class Progress:
         self.first_step = start
         self._last_printed = -1
         self._plain_every = max(1, total // 20)
-        self._headline: dict[str, float] = {}
+        self._headline: dict[str, tuple[float, int]] = {}  # key -> (value, its step)
         self._bar: Any = None
 
     def start(self) -> None:
@@ -75,13 +75,29 @@ class Progress:
             return
         for key, value in metrics.items():
             if headline_rank(key) is not None:
-                self._headline[key] = value
-        ranked = sorted(self._headline, key=lambda k: headline_rank(k) or (0, k))
-        headline = "  ".join(f"{k}={self._headline[k]:.4g}" for k in ranked[:_HEADLINE_MAX])
+                self._headline[key] = (value, step)
+        headline = self.headline(step)
         if self._bar is not None:
             self._bar.update(self._task, completed=step, headline=headline)
         elif self.mode == "plain":
             self._print_plain(step, metrics, headline)
+
+    def headline(self, step: int) -> str:
+        """The headline metrics at ``step``: an evaluation's values stand as measured
+        only at the step it ran; later they are marked with it, ``[eval at step 0:
+        eval/reward=0.008]``, so a value carried over never reads as a new one."""
+        ranked = sorted(self._headline, key=lambda k: headline_rank(k) or (0, k))
+        fresh: list[str] = []
+        carried: dict[int, list[str]] = {}
+        for key in ranked[:_HEADLINE_MAX]:
+            value, at = self._headline[key]
+            text = f"{key}={value:.4g}"
+            if at == step or not key.startswith("eval/"):
+                fresh.append(text)
+            else:
+                carried.setdefault(at, []).append(text)
+        fresh += [f"[eval at step {at}: {'  '.join(texts)}]" for at, texts in carried.items()]
+        return "  ".join(fresh)
 
     def _print_plain(self, step: int, metrics: Mapping[str, float], headline: str) -> None:
         evals = {k: v for k, v in metrics.items() if k.startswith("eval/")}
