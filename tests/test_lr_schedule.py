@@ -76,6 +76,47 @@ async def test_a_resumed_run_continues_the_curve(tmp_path: Path) -> None:
     )
 
 
+def _extended(run_dir: Path, steps: int, **loop: Any) -> FakeTrainer:
+    config = make_config(
+        run_dir, {"kind": "tests.support.fakes:FakeTrainer"}, run={"steps": steps},
+        log={"progress": "plain"},
+        loop={"accumulate": 2, "save_interval": 2, "baseline_eval": False,
+              "lr_schedule": "cosine", **loop},
+    )  # fmt: skip
+    return FakeTrainer(config)
+
+
+async def test_extending_a_run_says_the_horizon_moved_and_lr_horizon_keeps_it(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A finished 4-step run (2 updates) resumed with run.steps = 8: one line at the
+    start names both horizons and the rate at the resumed update under each; the
+    rates then follow the 4-update curve. With loop.lr_horizon = 4 the first curve is
+    kept (the rate stays at its end, 0) and nothing is said."""
+    with anyio.fail_after(120):
+        for run in ("moved", "kept"):
+            first = _extended(tmp_path / run, 4)
+            await corun.run(first, first.run_config)
+        capsys.readouterr()
+        moved = _extended(tmp_path / "moved", 8)
+        await corun.run(moved, moved.run_config)
+        said = [line for line in capsys.readouterr().err.splitlines() if "schedule" in line]
+        kept = _extended(tmp_path / "kept", 8, lr_horizon=4)
+        await corun.run(kept, kept.run_config)
+        assert not [line for line in capsys.readouterr().err.splitlines() if "schedule" in line]
+    now = lr_factor("cosine", 2, 4)
+    assert said == [
+        "corun: the cosine learning-rate schedule now spans 4 updates, not the 2 it was "
+        f"saved under (run.steps or loop.accumulate changed): at update 2 the rate is "
+        f"{now:.3g} of its base where the first curve had 0; loop.lr_horizon = 4 keeps the "
+        "first curve"
+    ]
+    rates = [r["train/lr"] for r in step_records(tmp_path / "moved") if "train/lr" in r]
+    assert rates[2:] == pytest.approx([BASE_LR * lr_factor("cosine", v, 4) for v in (2, 3)])
+    kept_rates = [r["train/lr"] for r in step_records(tmp_path / "kept") if "train/lr" in r]
+    assert kept_rates[2:] == [0.0, 0.0]
+
+
 class OwnStepTrainer(FakeTrainer):
     def train_step(self, batch: corun.Batch) -> dict[str, float]:
         return {}

@@ -159,6 +159,10 @@ class LoopConfig(Section, frozen=True, forbid_unknown_fields=True, kw_only=True)
     lr_schedule: Literal["constant", "linear", "cosine"] = "constant"
     lr_warmup: NonNegativeInt = 0
     lr_final: Annotated[float, msgspec.Meta(ge=0, le=1)] = 0.0
+    # The steps the decay spans (0: run.steps). A run resumed with more run.steps keeps
+    # the curve it started on with lr_horizon = its first run.steps; without it the
+    # horizon moves and the rate jumps (a line at the resume says so).
+    lr_horizon: NonNegativeInt = 0
     # Steps between periodic evals / saves; 0 turns them off.
     eval_interval: NonNegativeInt = 0
     save_interval: NonNegativeInt = 0

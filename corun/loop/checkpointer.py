@@ -37,6 +37,7 @@ from corun.execution.compute import Lane, blocking_io, call_hook
 from corun.loop.cadence import Cadence
 from corun.loop.clock import Clock
 from corun.loop.kept_rollouts import KeptRollouts
+from corun.loop.schedule import horizon
 from corun.loop.teardown import RunControl
 from corun.records import checkpoint, shards
 from corun.records.events import EventLog, Trace
@@ -145,6 +146,7 @@ class Checkpointer:
             run_id=self.run_id,
             config_digest=self.config.digest(),
             trainer_kind=self.config.trainer.kind,
+            lr_horizon=horizon(self.config),
         )
         self.last_saved = clock.step
         path = checkpoint.step_dir(self.run_dir, state.step)

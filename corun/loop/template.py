@@ -46,6 +46,7 @@ from corun.loop.fused import FusedUpdate, Ran
 from corun.loop.lanes import Lanes
 from corun.loop.phases import Phases, stopwatch
 from corun.loop.producer import Producer
+from corun.loop.schedule import moved_horizon
 from corun.loop.session import Session
 from corun.loop.sync import WeightSync
 from corun.loop.teardown import RunControl, Teardown, record_end
@@ -207,6 +208,9 @@ class _Run:
             if self.clock.step < config.run.steps:
                 self._note(f"resuming {config.run_dir} from step {self.clock.step} of "
                            f"{config.run.steps}")  # fmt: skip
+            moved = moved_horizon(config, self.restored[0].lr_horizon, self.clock.version)
+            if moved is not None and self.clock.step < config.run.steps:
+                self._note(moved)
         self.reporter.start_wandb(self.run_id, trainer.wandb_extra())
         if self.extensions.remote is not None:
             self.weights.remote = self.remote = await self.extensions.remote(

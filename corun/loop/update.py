@@ -55,7 +55,7 @@ from corun.execution import distributed, parallel
 from corun.execution.compute import cancel_point
 from corun.loop.flops import FlopMeter
 from corun.loop.micro_batches import Chunks, agree_counts, plan_chunks, split_to
-from corun.loop.schedule import ScheduleName, apply_factor, lr_factor
+from corun.loop.schedule import ScheduleName, apply_factor, horizon, lr_factor
 
 
 class Updater:
@@ -109,7 +109,7 @@ class Updater:
         return cls(
             trainer, optimizers, window=loop.accumulate, mini_batches=loop.mini_batches,
             seed=config.run.seed, schedule=loop.lr_schedule,
-            updates=max(1, config.run.steps // loop.accumulate), warmup=loop.lr_warmup,
+            updates=max(1, horizon(config)), warmup=loop.lr_warmup,
             final=loop.lr_final, micro_batch_tokens=loop.micro_batch_tokens,
             micro_batch_rows=loop.micro_batch_rows,
         )  # fmt: skip

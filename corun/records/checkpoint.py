@@ -58,6 +58,9 @@ class TrainerState(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     # `trainer.kind` of the run that wrote it: a run directory belongs to one kind
     # ("" in format 2: not checked).
     trainer_kind: str = ""
+    # The learning-rate schedule's horizon in updates when saved (0: constant, or a
+    # checkpoint from before it was recorded): a resume says when it moved.
+    lr_horizon: int = 0
 
 
 class WriteError(RuntimeError):
