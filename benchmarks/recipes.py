@@ -1,9 +1,11 @@
 """What each shipped recipe learns, measured: ``python -m benchmarks.recipes [NAME ...]
 [--write]``.
 
-Each :class:`Check` names a recipe of ``configs/``, the held-out metric its row of
-docs/recipes.md quotes, and for a recipe too slow for CI the overrides of a shorter
-twin (measured and documented beside it). A measurement trains the recipe (or twin)
+Each :class:`Check` names a recipe of ``configs/`` (or an example's config by its path
+in the repository, ``examples/loo.toml``, run with the repository on ``PYTHONPATH``
+as its docs say), the held-out metric its row of docs/recipes.md quotes, and for a
+recipe too slow for CI the overrides of a shorter twin (measured and documented
+beside it). A measurement trains the recipe (or twin)
 with ``corun train`` in a scratch folder, its warm starts first as the recipe names
 them, and reads the metric at the first and the last evaluation from the run's
 ``metrics.jsonl``. Its standard error is the trainer's own (``<metric>_se``) where it
@@ -47,6 +49,9 @@ ROOT = Path(__file__).resolve().parents[1]
 FIGURES = Path(__file__).with_name("recipe_figures.json")
 DOCS = ROOT / "docs" / "recipes.md"
 BEGIN, END = "<!-- recipe-figures:begin -->", "<!-- recipe-figures:end -->"
+# docs/writing-a-trainer.md quotes its example's figure between these, generated too.
+EXAMPLE, EXAMPLE_DOCS = "examples/loo.toml", ROOT / "docs" / "writing-a-trainer.md"
+EXAMPLE_BEGIN, EXAMPLE_END = "<!-- example-figure:begin -->", "<!-- example-figure:end -->"
 TOLERANCE_SE = 3.0  # a figure may move this many standard errors of the difference
 
 
@@ -55,15 +60,25 @@ class Check:
     """A recipe's figure; a check with a ``twin`` stands in for its recipe in CI when
     the recipe has a check of its own too (tests mark that one ``long``)."""
 
-    recipe: str  # configs/<recipe>.toml
+    recipe: str  # configs/<recipe>.toml, or an example's config: "examples/<name>.toml"
     metric: str  # the held-out metric its docs row quotes
     n: int  # held-out examples behind the metric (its binomial standard error)
     twin: tuple[str, ...] = ()  # overrides of a shorter twin for CI; () the recipe itself
     label: str = ""  # what the metric is, in the docs table
+    needs: tuple[str, ...] = ()  # overrides every measurement of it takes (where things are)
 
     @property
     def name(self) -> str:
         return f"{self.recipe} (twin)" if self.twin else self.recipe
+
+    @property
+    def config(self) -> str:
+        """What ``corun train`` is given: a recipe's name, or an example's full path."""
+        return str(ROOT / self.recipe) if self.is_example else self.recipe
+
+    @property
+    def is_example(self) -> bool:
+        return "/" in self.recipe
 
     @property
     def has_twin(self) -> bool:
@@ -83,10 +98,15 @@ class Check:
 # hf_agentic, whose spread over runs (docs/recipes.md) makes the tolerance so wide that
 # only a collapse would fail it (tests/test_hf_agentic.py runs them end to end in CI);
 # and skyrl_sft with skyrl, whose gain tests/test_skyrl.py asserts in CI, as
-# tests/test_reasoning_gym.py asserts rg_grpo's over rg_sft.
+# tests/test_reasoning_gym.py asserts rg_grpo's over rg_sft, tests/test_verifiers.py
+# hf_verifiers' and tests/test_example_trainer.py the LOO example's (200 steps).
 LONG_ONLY = frozenset({"grpo_async", "agentic_async", "hf_grpo_vllm", "hf_agentic_vllm",
                        "hf_agentic_async", "hf_agentic_sft", "hf_agentic", "skyrl_sft",
-                       "skyrl", "rg_sft", "rg_grpo"})  # fmt: skip
+                       "skyrl", "rg_sft", "rg_grpo", "hf_verifiers",
+                       "examples/loo.toml"})  # fmt: skip
+# The verifiers environment a measurement uses (`python -m trainers.hf.verifiers_env`
+# builds it in the repository): the recipe's own path is relative to where it runs.
+VERIFIERS_PYTHON = f"trainer.environment.python={ROOT / '.venv-verifiers' / 'bin' / 'python'}"
 
 
 # In dependency order: a recipe after the warm starts it names, so that a measurement
@@ -136,6 +156,9 @@ CHECKS = (
     Check("skyrl", "eval/reward", 256, label="env reward"),
     Check("rg_sft", "eval/reward", 512, label="reasoning-gym task score"),
     Check("rg_grpo", "eval/reward", 512, label="reasoning-gym task score"),
+    Check("hf_verifiers", "eval/reward", 512, label="numeric match", needs=(VERIFIERS_PYTHON,)),
+    # docs/writing-a-trainer.md's example, whose figure that page quotes (generated).
+    Check("examples/loo.toml", "eval/accuracy", 512, label="exact match"),
 )
 
 
@@ -194,19 +217,21 @@ def measure(
 
     scratch.mkdir(parents=True, exist_ok=True)
     seeded = [] if seed is None else [f"run.seed={seed}"]
-    overrides = [*check.twin, *extra, *seeded, "log.progress=off"]
+    overrides = [*check.needs, *check.twin, *extra, *seeded, "log.progress=off"]
     if check.twin or extra:  # its own run directory, beside the recipe's own run's
-        name = load_config(check.recipe).run.name
+        name = load_config(check.config).run.name
         overrides.append(
             f"run.name={name}{'-twin' if check.twin else ''}{'-extra' if extra else ''}"
         )
-    run_dir = load_config(check.recipe, overrides).run_dir
-    command = [sys.executable, "-m", "corun", "train", check.recipe, *overrides]
+    run_dir = load_config(check.config, overrides).run_dir
+    command = [sys.executable, "-m", "corun", "train", check.config, *overrides]
     started = time.perf_counter()
     # As a user runs it: torch's default thread count (a test session caps it at 1),
     # which the figures were measured at; wandb off.
     env = {k: v for k, v in os.environ.items() if k != "OMP_NUM_THREADS"}
     env.setdefault("WANDB_MODE", "disabled")
+    if check.is_example:  # its trainer is a module of the repository (examples.<name>)
+        env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
     done = subprocess.run(
         command, cwd=scratch, env=env, capture_output=True, text=True, check=False
     )
@@ -294,10 +319,24 @@ def table(figures: dict[str, dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
+def example_figure(figures: dict[str, dict[str, Any]]) -> str:
+    """docs/writing-a-trainer.md's sentence on its example's figure."""
+    figure = figures[EXAMPLE]
+    dates = ", ".join(sorted({str(run["measured"]) for run in figure["runs"]}))
+    return (
+        f"Measured by `python -m benchmarks.recipes {EXAMPLE} --write` ({dates}, "
+        f"{len(figure['runs'])} run): held-out greedy exact match on 512 prompts "
+        f"{figure['start']:.3f} → {figure['final']:.3f} ± {figure['se']:.3f} in "
+        f"{figure['steps']} steps, {figure['wall_s']:.0f} s with the warm start."
+    )
+
+
+def _between(path: Path, begin: str, end: str, text: str) -> None:
+    head, rest = path.read_text().split(begin, 1)
+    path.write_text(f"{head}{begin}\n{text}\n{end}{rest.split(end, 1)[1]}")
+
+
 def write_docs(document: dict[str, Any]) -> None:
-    text = DOCS.read_text()
-    head, rest = text.split(BEGIN, 1)
-    _, tail = rest.split(END, 1)
     runs = [run for figure in document["figures"].values() for run in figure["runs"]]
     machines = sorted({str(run["machine"]) for run in runs})
     note = (
@@ -305,7 +344,9 @@ def write_docs(document: dict[str, Any]) -> None:
         f"{' and on '.join(machines)}: a figure is the mean of its runs (seeds, "
         "machines), the spread their standard deviation."
     )
-    DOCS.write_text(f"{head}{BEGIN}\n{note}\n\n{table(document['figures'])}\n{END}{tail}")
+    _between(DOCS, BEGIN, END, f"{note}\n\n{table(document['figures'])}")
+    if EXAMPLE in document["figures"]:
+        _between(EXAMPLE_DOCS, EXAMPLE_BEGIN, EXAMPLE_END, example_figure(document["figures"]))
 
 
 def selected(names: Sequence[str], ci: bool) -> list[Check]:

@@ -13,7 +13,21 @@ from pathlib import Path
 
 import pytest
 
-from benchmarks.recipes import BEGIN, CHECKS, DOCS, END, Check, measure, moved, stored, table
+from benchmarks.recipes import (
+    BEGIN,
+    CHECKS,
+    DOCS,
+    END,
+    EXAMPLE_BEGIN,
+    EXAMPLE_DOCS,
+    EXAMPLE_END,
+    Check,
+    example_figure,
+    measure,
+    moved,
+    stored,
+    table,
+)
 
 REPO = Path(__file__).resolve().parents[1]
 SERVE_ONLY = {"tinker"}  # `corun train` refuses it: it configures `corun serve`
@@ -60,7 +74,7 @@ def test_a_recipe_that_stops_learning_fails_with_its_figures(tmp_path: Path) -> 
 
 def test_every_recipe_has_a_check_and_the_docs_table_is_generated() -> None:
     recipes = {path.stem for path in (REPO / "configs").glob("*.toml")} - SERVE_ONLY
-    assert recipes == {check.recipe for check in CHECKS}
+    assert recipes == {check.recipe for check in CHECKS if not check.is_example}
     assert set(stored()) == {check.name for check in CHECKS}  # every check, twins too
     # Each documented figure is one of learning: the run ends more than a standard error
     # above where it started (the prompt enhancer's 72 held-out prompts allow no more).
@@ -71,4 +85,10 @@ def test_every_recipe_has_a_check_and_the_docs_table_is_generated() -> None:
     assert table(stored()) in generated, (
         "docs/recipes.md's figure table is not the one benchmarks/recipe_figures.json "
         "gives: python -m benchmarks.recipes --write regenerates it"
+    )
+    quoted = EXAMPLE_DOCS.read_text().split(EXAMPLE_BEGIN, 1)[1].split(EXAMPLE_END, 1)[0]
+    assert quoted.strip() == example_figure(stored()), (
+        "docs/writing-a-trainer.md quotes another figure of its example than "
+        "benchmarks/recipe_figures.json holds: python -m benchmarks.recipes "
+        "examples/loo.toml --write regenerates it"
     )
