@@ -164,11 +164,10 @@ def decode(
     """Batched decoding of equal-length prompts → :class:`Decoded` (``.tokens``: the
     (batch, n) new ids): greedy at ``temperature`` 0, sampled with top-p above it.
 
-    ``temperature`` 0 is greedy and draws nothing; above 0 samples from ``generator``
-    (torch's RNG if None; :func:`generator_on` for a GPU model) within the top-p
-    nucleus; log-probs are under the full temperature-scaled distribution. A row that
-    emitted ``stop_id`` keeps emitting it; decoding ends once every row has stopped.
-    Between decode steps :func:`cancel_point` lets a cancelled run stop.
+    Greedy draws nothing; sampling draws from ``generator`` (torch's RNG if None;
+    :func:`generator_on` for a GPU model); log-probs are under the full
+    temperature-scaled distribution. A row that emitted ``stop_id`` keeps emitting it;
+    decoding ends once every row has stopped; :func:`cancel_point` between steps.
 
     ``weights_version`` is asked before each step which weights produce its tokens; it
     may load newer ones into ``model`` first (a partial rollout: the prefix so far is
