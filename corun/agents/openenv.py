@@ -40,8 +40,6 @@ that use it run their loop on asyncio (corun's default), not trio.
 from __future__ import annotations
 
 import contextlib
-import math
-import numbers
 from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
@@ -49,6 +47,7 @@ from typing import Any, Protocol
 import anyio
 
 from corun.agents.chat_runner import ChatStep
+from corun.agents.threaded import finite_reward
 from corun.contract.policy import ChatMessage, ToolSpec
 
 CLOSE_TIMEOUT_S = 5.0  # closing a session: best effort, never a hang
@@ -112,16 +111,9 @@ def task_kwargs(task: Any) -> dict[str, Any]:
 
 
 def step_reward(reward: object) -> float:
-    """A step's reward as corun adds it up: None is 0; a bool, a non-number, or an
-    infinite or NaN value is refused (the episode fails)."""
-    if reward is None:
-        return 0.0
-    if isinstance(reward, bool) or not isinstance(reward, numbers.Real):
-        raise TypeError(f"the reward {reward!r} is a {type(reward).__name__}, not a number")
-    value = float(reward)
-    if not math.isfinite(value):
-        raise ValueError(f"the reward {value} is not finite")
-    return value
+    """A step's reward as corun adds it up: None is 0; otherwise a finite int or float
+    (the Gymnasium and SkyRL-Gym adapters' check), else the episode fails."""
+    return 0.0 if reward is None else finite_reward(reward, "step()")
 
 
 class OpenEnvEnvironment:

@@ -24,6 +24,7 @@ import sys
 import threading
 import time
 from collections.abc import Sequence
+from pathlib import Path
 
 _live: dict[int, ChildProcess] = {}
 _lock = threading.Lock()
@@ -164,6 +165,13 @@ def _watched_main(argv: list[str]) -> None:
 
 if __name__ == "__main__":
     _watched_main(sys.argv[1:])
+
+
+def last_line(log: Path) -> str:
+    """A child's log's last non-blank line, for the one line that says why it ended."""
+    text = log.read_text(errors="replace") if log.exists() else ""
+    lines = [line for line in text.splitlines() if line.strip()]
+    return lines[-1] if lines else "(nothing logged)"
 
 
 def free_port() -> int:

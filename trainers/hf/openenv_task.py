@@ -42,7 +42,7 @@ from corun import SetupContext, stable_seed
 from corun.agents.openenv import OpenEnvEnvironment, TextFields, generic_client
 from corun.base.errors import ConfigError
 from corun.contract.episodes import Episode
-from corun.execution.procs import ChildProcess, free_port
+from corun.execution.procs import ChildProcess, free_port, last_line
 from trainers.agentic.calculator import EnvSettings
 from trainers.hf.chat_tasks import ChatTask
 
@@ -179,7 +179,7 @@ async def serve(app: str, timeout_s: float, ctx: SetupContext) -> str:
             if (status := child.popen.poll()) is not None:
                 raise ConfigError(
                     f"`$.trainer.environment.app` {app!r}: the server exited ({status}) "
-                    f"before answering: {_last_line(log)}"
+                    f"before answering: {last_line(log)}"
                 )
             try:
                 if (await client.get(f"{url}/health")).status_code == 200:
@@ -189,10 +189,7 @@ async def serve(app: str, timeout_s: float, ctx: SetupContext) -> str:
             await anyio.sleep(0.1)
     raise ConfigError(
         f"`$.trainer.environment.app` {app!r}: {url}/health did not answer within "
-        f"start_timeout_s ({timeout_s:g} s); log: {_last_line(log)}"
+        f"start_timeout_s ({timeout_s:g} s); log: {last_line(log)}"
     )
 
 
-def _last_line(log: Path) -> str:
-    lines = log.read_text(errors="replace").strip().splitlines() if log.exists() else []
-    return lines[-1] if lines else "(nothing logged)"

@@ -91,7 +91,8 @@ def held_out(prompt: str) -> bool:
     return stable_seed("held-out", prompt) % 10 == 0
 
 
-def _draw(rng: random.Random, want_held_out: bool) -> Example:
+def draw(rng: random.Random, want_held_out: bool) -> Example:
+    """A word problem from ``rng``, redrawn until it is (not) a held-out one."""
     while True:
         item = problem(rng)
         if held_out(item.prompt) == want_held_out:
@@ -108,14 +109,14 @@ class WordProblems:
 
     def batch(self, index: int) -> list[Example]:
         rng = random.Random(stable_seed("word-problems", self.seed, index))
-        return [_draw(rng, False) for _ in range(self.batch_size)]
+        return [draw(rng, False) for _ in range(self.batch_size)]
 
 
 def eval_problems(n: int) -> list[Example]:
     """The first ``n`` held-out word problems (never a training prompt), the same in
     every process."""
     rng = random.Random(stable_seed("word-problems-eval"))
-    return [_draw(rng, True) for _ in range(n)]
+    return [draw(rng, True) for _ in range(n)]
 
 
 def corpus(n: int = 2000) -> list[str]:

@@ -22,7 +22,6 @@ from __future__ import annotations
 import json
 import os
 import random
-from collections import deque
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -34,11 +33,11 @@ from corun import ConfigError, Dataset, SetupContext, stable_seed
 from corun.agents.chat import ChatMessage, ToolSpec
 from corun.agents.chat_runner import ChatStep
 from corun.contract.episodes import Episode, EpisodeInbox
-from corun.execution.procs import ChildProcess
+from corun.execution.procs import ChildProcess, last_line
 from trainers.agentic.calculator import EnvSettings
 from trainers.hf.chat_tasks import ChatTask
 from trainers.hf.rewards import numeric_match
-from trainers.hf.tasks import Example, WordProblems, eval_problems, held_out, problem
+from trainers.hf.tasks import Example, WordProblems, draw, eval_problems
 
 WORKER_DIR = Path(__file__).with_name("verifiers_env")
 WORKER = "corun_verifiers_worker"
@@ -165,18 +164,10 @@ def check_run(config: Any) -> None:
 def write_word_problems(path: Path, n: int, seed: int) -> None:
     """``n`` training word problems (never a held-out one) as the taskset's JSONL."""
     rng = random.Random(stable_seed("verifiers-word-problems", seed))
-    rows: list[str] = []
-    while len(rows) < n:
-        item = problem(rng)
-        if not held_out(item.prompt):
-            rows.append(json.dumps({"prompt": item.prompt, "answer": item.answer}))
+    examples = (draw(rng, want_held_out=False) for _ in range(n))
+    rows = [json.dumps({"prompt": str(e.prompt), "answer": e.answer}) for e in examples]
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text("\n".join(rows) + "\n")
-
-
-def last_line(log: Path) -> str:
-    lines: deque[str] = deque(filter(str.strip, log.read_text(errors="replace").splitlines()), 1)
-    return lines[0] if lines else "(no output)"
 
 
 class WordProblemEnv:
