@@ -77,7 +77,7 @@ class VerifiersTask(ChatTask):
                 f"`$.trainer.environment.python`: no interpreter at {python!r}; build the "
                 "verifiers environment with `python -m trainers.hf.verifiers_env`"
             )
-        args = self.worker_args(config)
+        args = await anyio.to_thread.run_sync(self.worker_args, config)  # writes the tasks
         log = self.log = Path(config.run_dir) / "verifiers_worker.log"
         ctx.on_teardown("verifiers_worker", lambda: anyio.to_thread.run_sync(self.stop))
 
@@ -104,22 +104,26 @@ class VerifiersTask(ChatTask):
     async def launch(self, url: str, args: list[str], log: Path) -> None:
         """Start the worker on ``url`` and wait for its ``ready``; one that exits first
         fails the run with its last line."""
-        log.parent.mkdir(parents=True, exist_ok=True)
-        with log.open("wb") as stderr:
-            self.worker = ChildProcess.python_module(
-                WORKER, ["--url", url, *args], python=self.settings.python,
-                env={**os.environ, "PYTHONPATH": str(WORKER_DIR)},
-                stdout=-1, stderr=stderr,  # -1: subprocess.PIPE
-            )  # fmt: skip
+        self.worker = await anyio.to_thread.run_sync(self._spawn, url, args, log)
         stdout = self.worker.popen.stdout
         assert stdout is not None
         with anyio.fail_after(self.settings.ready_timeout_s):
             line = await anyio.to_thread.run_sync(stdout.readline, abandon_on_cancel=True)
-        if not line.startswith(b"ready"):
-            code = self.worker.popen.wait()
+        if not line.startswith(b"ready"):  # its stdout closed: it is ending
+            code = await anyio.to_thread.run_sync(self.worker.popen.wait)
             raise ConfigError(
                 f"`$.trainer.environment`: the verifiers worker exited {code}: {last_line(log)}"
             )
+
+    def _spawn(self, url: str, args: list[str], log: Path) -> ChildProcess:
+        """The worker process (blocking: off the event loop), its stderr to ``log``."""
+        log.parent.mkdir(parents=True, exist_ok=True)
+        with log.open("wb") as stderr:
+            return ChildProcess.python_module(
+                WORKER, ["--url", url, *args], python=self.settings.python,
+                env={**os.environ, "PYTHONPATH": str(WORKER_DIR)},
+                stdout=-1, stderr=stderr,  # -1: subprocess.PIPE
+            )  # fmt: skip
 
     def stop(self) -> None:
         if self.worker is not None:
