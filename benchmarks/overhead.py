@@ -20,7 +20,8 @@ A per-step figure is the mean step-to-step interval over steps 2..N (``step`` ev
 (a burst of load barely moves them); "noise": how far a plain measurement lies from
 the plain median, below which overheads are not resolved.
 
-Each SFT measurement runs in a fresh interpreter (``--measure``): libgomp keeps an
+Each SFT measurement of the full grid runs in a fresh interpreter (``--measure``;
+``corun bench --quick`` measures in its own process, as ``--in-process``): libgomp keeps an
 OpenMP thread team per OS thread that ran a parallel op, and two live teams with more
 threads than cores slow every parallel region (thread compute after a plain loop in
 one process: ~50-70 % slower on 2 cores; ``--in-process`` shows it). A measurement
@@ -276,12 +277,14 @@ def suite(grid: str, scratch: Path, note: Note) -> list[Table]:
     note(f"no-op trainer, {settings.noop_steps} steps x 4 variants")
     in_process = Guarded(measure, settings.retries)  # retries: the full grid's
     noop = measure_noop(settings, scratch, in_process)
-    # The test's grid measures SFT in this process: fast, but thread compute after a plain
-    # loop pays for a second OpenMP thread team (see the module's doc).
-    measure_one = in_process if grid == "tiny" else Guarded(in_fresh_process, settings.retries)
+    # The quick and test grids measure SFT in this process: no interpreter to start per
+    # measurement, but thread compute after a plain loop pays for a second OpenMP thread
+    # team (see the module's doc).
+    here = grid != "full"
+    measure_one = in_process if here else Guarded(in_fresh_process, settings.retries)
     note(f"SFT through run vs a plain loop, {settings.sft_steps} steps")
     sft = measure_sft(settings, scratch, measure_one, noop)
-    aside = " Measured in this process (test grid)." if grid == "tiny" else ""
+    aside = f" Measured in this process ({grid} grid)." if here else ""
     return tables(noop, sft, measure_one.retried, measure_one.disturbed, aside)
 
 

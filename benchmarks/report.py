@@ -104,8 +104,10 @@ Results = dict[str, tuple[list[Table], dict[str, Any]]]  # suite: (tables, its l
 
 def write_report(
     out: Path, grid: str, info: dict[str, Any], suites: Results, elapsed_s: float,
-    failures: dict[str, str],
+    failures: dict[str, str], left_out: dict[str, str] | None = None,
 ) -> Path:  # fmt: skip
+    """``report.md`` in ``out``: the machine, each suite's tables (and plots), the suites
+    that failed, and those ``left_out`` of a quick run with why (name: reason)."""
     lines = ["# corun bench", "", f"Grid: `{grid}`; {elapsed_s:.0f} s in all.", ""]
     lines += ["## Machine", ""]
     lines += ["| | |", "|---|---|"] + [f"| {k} | {v} |" for k, v in info.items()]
@@ -121,6 +123,10 @@ def write_report(
             lines += [f"![{table.title}]({table.suite}-{table.name}.png)", ""]
     for suite, error in failures.items():
         lines += [f"## {suite}", "", f"**failed**: `{error}`", ""]
+    if left_out:
+        lines += ["## Not in --quick", "", "Too slow for the quick run, each on its quick grid "
+                  "alone (`corun bench NAME --quick` runs one):", ""]  # fmt: skip
+        lines += [f"- {suite}: {why}" for suite, why in left_out.items()] + [""]
     path = out / "report.md"
     path.write_text("\n".join(lines))
     return path

@@ -16,7 +16,7 @@ from pathlib import Path
 from benchmarks import overhead
 from benchmarks.report import Note, Table, fmt
 
-GRIDS = {"full": 80, "quick": 20, "tiny": 5}  # steps
+GRIDS = {"full": 80, "quick": 12, "tiny": 5}  # steps
 # label, what, compute, loop.lane_threads, loop.adapt_threads, OMP_WAIT_POLICY
 SUBJECTS = [
     ("corun run, default (fixed threads, passive waits)", "run", "thread", 0, False, "PASSIVE"),
@@ -36,11 +36,14 @@ COMPETITORS = {  # what runs beside the measurement: a command, killed after
 def suite(grid: str, scratch: Path, note: Note) -> list[Table]:
     """``corun bench shared``: each run's slowdown beside a competitor, against quiet."""
     steps = GRIDS[grid]
-    subjects = SUBJECTS if grid != "quick" else SUBJECTS[:2]  # a tiny grid tries every row
+    # The quick grid: today's default and the one before it, beside a busy process alone;
+    # a tiny grid tries every row.
+    subjects = SUBJECTS if grid != "quick" else SUBJECTS[:2]
+    competitors = COMPETITORS if grid != "quick" else dict(list(COMPETITORS.items())[:2])
     rows, ratios = [], []
     for index, (label, what, compute, threads, adapt, policy) in enumerate(subjects):
         times: dict[str, float] = {}
-        for beside, code in COMPETITORS.items():
+        for beside, code in competitors.items():
             note(f"{label}, {beside}")
             run_dir = scratch / f"shared-{index}-{len(times)}"
             request = {"what": what, "steps": steps, "backend": "asyncio", "compute": compute,
@@ -55,12 +58,12 @@ def suite(grid: str, scratch: Path, note: Note) -> list[Table]:
                     hog.wait()
         quiet = times["quiet"]
         rows.append([label, *(fmt(t * 1e3) for t in times.values()),
-                     *(f"{times[b] / quiet:.2f}" for b in list(COMPETITORS)[1:])])  # fmt: skip
-        ratios += [(f"{label}: {b}", times[b] / quiet) for b in list(COMPETITORS)[1:]]
+                     *(f"{times[b] / quiet:.2f}" for b in list(competitors)[1:])])  # fmt: skip
+        ratios += [(f"{label}: {b}", times[b] / quiet) for b in list(competitors)[1:]]
     return [Table(
         "shared", "slowdown", f"A short SFT run ({steps} steps) sharing the machine",
-        ["run", *(f"{b}: ms/step" for b in COMPETITORS),
-         *(f"slowdown, {b}" for b in list(COMPETITORS)[1:])], rows, ratios,
+        ["run", *(f"{b}: ms/step" for b in competitors),
+         *(f"slowdown, {b}" for b in list(competitors)[1:])], rows, ratios,
         "the same run on the quiet machine, same bench run",
         ["Beside it: `python -c 'while True: pass'`, or a loop of 256x256 matmuls at torch's "
          "default threads; killed after each measurement. Median step interval. The default "

@@ -53,6 +53,18 @@ SUITES = {  # name: the module (benchmarks/<module>.py) whose `suite` it is
     "tinker_models": "tinker_models",
     "memory": "memory",
 }
+# Left out of `corun bench --quick` (every suite): each needs several model processes, an
+# engine server or a trained model, and takes this long on its quick grid alone (2 quiet
+# cores, 2026-12-06). Named, it runs that grid: `corun bench peers --quick`.
+NOT_QUICK = {
+    "parallel": "104 s: torchrun ranks, a run per layout and allocator",
+    "precision": "36 s: an SFT warm start, then a GRPO run per precision",
+    "fleet": "61 s: three vLLM engine servers, then two-node runs",
+    "peers": "132 s: TRL and corun, four processes per model",
+    "generation": "57 s: a vLLM engine process per measurement",
+    "distill": "58 s: a teacher trained first, then three students",
+    "tinker_models": "60 s: a process per model count, two models",
+}
 GRIDS = ("full", "quick", "tiny")
 EXIT_USAGE, EXIT_INTERRUPTED = 2, 130
 
@@ -64,7 +76,8 @@ class UsageError(Exception):
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("suite", nargs="?", default="all",
                         help=f"suite[,suite...] of {', '.join(SUITES)} (default: all)")  # fmt: skip
-    parser.add_argument("--quick", action="store_true", help="small grids (about 2 minutes)")
+    parser.add_argument("--quick", action="store_true", help="small grids, about 2 minutes; "
+                        f"all leaves out {', '.join(NOT_QUICK)} (named, they run)")  # fmt: skip
     parser.add_argument("--out", metavar="DIR", help="the report's folder "
                         "(default runs/bench-<timestamp>)")  # fmt: skip
     parser.add_argument("--grid", choices=GRIDS, help=argparse.SUPPRESS)  # "tiny": the test's
@@ -90,12 +103,12 @@ def run(args: argparse.Namespace) -> int:
     bad argument (one line on stderr), 130 after Ctrl-C (KeyboardInterrupt: the report
     then has the suites done before it). Run directories (a suite's warm starts among
     them) lie where it runs, as ``corun train``'s do."""
+    grid = args.grid or ("quick" if args.quick else "full")
     try:
-        names = _suites(args.suite)
+        names, left_out = plan(args.suite, grid)
     except UsageError as exc:
         print(f"corun: error: {exc}", file=sys.stderr)
         return EXIT_USAGE
-    grid = args.grid or ("quick" if args.quick else "full")
     out = Path(args.out or f"runs/bench-{time.strftime('%Y%m%d-%H%M%S')}")
     if out.exists() and not out.is_dir():
         print(f"corun: error: --out {out}: not a directory", file=sys.stderr)
@@ -110,7 +123,8 @@ def run(args: argparse.Namespace) -> int:
     info, started = machine(), time.monotonic()
     results, failures = _run_suites(names, grid, out)
     info["load average after (1/5/15 min)"] = " / ".join(f"{x:.2f}" for x in os.getloadavg())
-    report = write_report(out, grid, info, results, time.monotonic() - started, failures)
+    report = write_report(out, grid, info, results, time.monotonic() - started, failures,
+                          left_out)  # fmt: skip
     print(f"corun: bench report: {report}")
     for name, error in failures.items():
         print(f"corun: error: suite {name}: {error}", file=sys.stderr)
@@ -162,6 +176,15 @@ def _interrupt(signum: int, frame: object) -> None:
     (installed by a suite's ``anyio.run`` over Python's default one) only cancels the
     main task, which a measurement waiting on a lane may never notice."""
     raise KeyboardInterrupt
+
+
+def plan(text: str, grid: str) -> tuple[list[str], dict[str, str]]:
+    """The suites that ``text`` (``all`` or names, comma-separated) runs on ``grid``, and
+    those left out with why: on the quick grid, ``all`` leaves out :data:`NOT_QUICK`; a
+    suite named runs whatever its grid costs."""
+    if text == "all" and grid == "quick":
+        return [name for name in SUITES if name not in NOT_QUICK], dict(NOT_QUICK)
+    return _suites(text), {}
 
 
 def _suites(text: str) -> list[str]:

@@ -4,6 +4,7 @@ benchmarks/."""
 
 from __future__ import annotations
 
+import importlib
 import re
 import subprocess
 import sys
@@ -71,3 +72,31 @@ def test_bench_out_must_be_a_folder(tmp_path: Path) -> None:
         result.returncode == 2
         and result.stderr == f"corun: error: --out {taken}: not a directory\n"
     )
+
+
+def test_quick_runs_every_suite_but_the_named_slow_ones_and_the_docs_name_them() -> None:
+    """`corun bench --quick`'s list: every suite either runs or is left out with why, a
+    slow suite named still runs, and the README and docs/benchmarks.md name what is
+    left out. Its time is the report's figure ("N s in all"), not asserted here."""
+    from benchmarks.suite import NOT_QUICK, SUITES, plan
+
+    run, left_out = plan("all", "quick")
+    assert left_out == NOT_QUICK and set(NOT_QUICK) < set(SUITES)
+    assert run == [name for name in SUITES if name not in NOT_QUICK]
+    assert plan(",".join(NOT_QUICK), "quick") == (list(NOT_QUICK), {})
+    assert plan("all", "full") == (list(SUITES), {})
+    for name, module in SUITES.items():  # the grid `--quick` picks exists everywhere
+        assert "quick" in importlib.import_module(f"benchmarks.{module}").GRIDS, name
+    for doc in ("README.md", "docs/benchmarks.md"):
+        said = next(line for line in (ROOT / doc).read_text().split("\n\n")
+                    if "--quick" in line and "leaves out" in line)  # fmt: skip
+        assert all(f"`{name}`" in said for name in NOT_QUICK), (doc, said)
+
+
+def test_report_names_the_suites_a_quick_run_left_out(tmp_path: Path) -> None:
+    from benchmarks.report import write_report
+
+    report = write_report(tmp_path, "quick", {"cpus": 2}, {}, 1.0, {},
+                          {"peers": "132 s: TRL"}).read_text()  # fmt: skip
+    assert "## Not in --quick" in report and "- peers: 132 s: TRL" in report
+    assert "Not in --quick" not in write_report(tmp_path, "full", {}, {}, 1.0, {}).read_text()
