@@ -17,7 +17,7 @@ import pytest
 import torch
 
 import corun
-from corun.execution.compute import Lane, cancel_point
+from corun.execution.compute import Lane, LaneClosed, cancel_point
 from tests.support.config import make_config
 
 pytestmark = pytest.mark.anyio
@@ -33,6 +33,22 @@ async def test_lane_keeps_one_thread_and_its_own_torch_budget() -> None:
     assert len({ident for ident, _ in seen}) == 1
     assert {threads for _, threads in seen} == {3}
     assert threading.get_ident() not in {ident for ident, _ in seen}
+
+
+@pytest.mark.parametrize("mode", ["thread", "inline"])
+async def test_a_closed_lane_refuses_calls_and_starts_no_thread(
+    anyio_backend: str, mode: str
+) -> None:
+    """A task left over from an ended run (an engine's, on a test runner's shared loop)
+    once called its closed lane again and got a fresh thread that nothing closed: it
+    outlived the run ("corun-lane-engine" threads alive after an embedded run)."""
+    lane = Lane("left", mode)  # type: ignore[arg-type]
+    assert await lane.run(lambda: 1) == 1
+    lane.close()
+    before = set(threading.enumerate())
+    with anyio.fail_after(10), pytest.raises(LaneClosed, match="lane 'left' was closed"):
+        await lane.run(lambda: 2)
+    assert not [t for t in set(threading.enumerate()) - before if t.name == "corun-lane-left"]
 
 
 async def test_cancel_point_stops_a_running_call() -> None:

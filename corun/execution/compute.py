@@ -78,6 +78,12 @@ class LaneCancelled(BaseException):
     """
 
 
+class LaneClosed(RuntimeError):
+    """A call on a lane after :meth:`Lane.close`: the run that owned it has ended. A
+    task left over from it (a host's, an engine's) is refused rather than given a
+    fresh thread that nothing would ever close."""
+
+
 def cancel_point() -> None:
     """Stop the current lane call here if its awaiting task has been cancelled.
 
@@ -282,6 +288,7 @@ class Lane:
         self._thread: threading.Thread | None = None
         self._running: _Call | None = None  # the call the lane's thread is in
         self.abandoned = 0  # calls given up on (see `abandoning`)
+        self.closed = False  # by `close`: later calls raise LaneClosed
         self._signals: list[_TrioSignal] = []  # free ones (trio), at most _SIGNALS_KEPT
         self._signals_out = 0  # signals held by calls in flight
 
@@ -293,6 +300,8 @@ class Lane:
         return None if self._budget.adapt else self._budget.fixed
 
     async def run(self, fn: Callable[..., T], *args: Any) -> T:
+        if self.closed:
+            raise LaneClosed(f"lane {self.name!r} was closed: its run has ended")
         if self.mode == "inline":
             # Lowest overhead; the event loop is blocked for the call's duration.
             if self._budget is not None:
@@ -394,6 +403,7 @@ class Lane:
         has returned, so the wait is short; a thread still in a call after ``timeout``
         is left to it (in :func:`abandoned_threads`).
         """
+        self.closed = True
         if self._thread is not None:
             self._calls.put(None)
             if self._thread is not threading.current_thread():
