@@ -76,6 +76,12 @@ class EngineOptions(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_
     urls: list[str] = msgspec.field(default_factory=list)
     bucket_mb: Annotated[int, msgspec.Meta(ge=1)] = 64
     token: str = ""
+    # vLLM under trainer.inflight_at_sync = "interrupt": what a running request's KV
+    # cache does when the weights change under it. "keep": it stays, computed by the
+    # older weights (as PipelineRL; vLLM runs without prefix caching, so no new request
+    # reuses old KV either); "recompute": every running request is preempted and its
+    # prompt and tokens so far prefilled again under the new weights.
+    kv_at_switch: Literal["keep", "recompute"] = "keep"
     # More vllm.LLM keyword arguments (in process) or api_server flags (server: the key
     # with "-" for "_"), e.g. {enable_prefix_caching = false}; a wrong one is exit 2.
     options: dict[str, Any] = msgspec.field(default_factory=dict)
@@ -99,6 +105,9 @@ class VLLMConfig(EngineOptions, frozen=True, forbid_unknown_fields=True, kw_only
     # Set by corun: an engine that scores given tokens and samples nothing (a
     # distillation teacher's): vLLM reports raw log-probs (temperature 1), prompts' too.
     scores_only: bool = False
+    # Set by corun (trainer.inflight_at_sync = "interrupt"): a full-weight update goes
+    # in flight, between two decode steps, instead of draining running generations.
+    interrupt: bool = False
 
     @property
     def workers(self) -> int:

@@ -77,10 +77,16 @@ def check_engine(
                 f"`$.{where}.{name}`: the {kind!r} engine has no such option (it applies to "
                 f"{takers})"
             )
-    if interrupt and kind != "local":
+    if interrupt and kind not in INTERRUPTS:
         raise ConfigError(
             f'`$.trainer.inflight_at_sync` = "interrupt": the {kind!r} engine cannot switch '
-            'weights under a running request (it drains them); use "drain"'
+            'weights under a running request (it drains them); use "drain", or engine = '
+            + " or ".join(f'"{k}"' for k in INTERRUPTS)
+        )
+    if options.kv_at_switch != "keep" and not interrupt:
+        raise ConfigError(
+            f'`$.{where}.kv_at_switch` = "{options.kv_at_switch}": applies to in-flight '
+            'updates alone (trainer.inflight_at_sync = "interrupt")'
         )
     if kind == "vllm-server" and options.colocate:
         raise ConfigError(
@@ -134,6 +140,7 @@ async def start_engine(
     return bounded
 
 
+INTERRUPTS = ("local", "vllm")  # the engines that switch weights under a running request
 _VLLM = tuple(name for name in EngineOptions.__struct_fields__ if name not in FLEET)
 _SERVER = tuple(name for name in _VLLM if name != "colocate")
 _TAKES: dict[str, tuple[str, ...]] = {
@@ -213,7 +220,8 @@ async def _start(
         transfer = "nccl"  # a fleet member takes weights from trainers' GPUs over NCCL
     own_gpus = bool(options.devices) and ctx.device.index not in options.devices
     settings = VLLMConfig(model=str(policy.source), weight_transfer=transfer, own_gpus=own_gpus,
-                          scores_only=role == "teacher", **_fields(options))  # fmt: skip
+                          scores_only=role == "teacher", interrupt=interrupt,
+                          **_fields(options))  # fmt: skip
     if kind == "vllm":
         from corun.engines.vllm_engine import VLLMEngine
 

@@ -47,6 +47,12 @@ def engine_settings(config: VLLMConfig) -> dict[str, Any]:
         settings["gpu_memory_utilization"] = memory_share(config)
         if config.colocate:
             settings["enable_sleep_mode"] = True
+    else:
+        # A prompt prefilled in chunks makes vLLM rewind its seeded generator after the
+        # partial step, which a CPU generator cannot ("CPU Generator does not use
+        # offset"): every request is seeded, so on CPU a prompt is prefilled whole (more
+        # prompts than a step's token budget wait for the next step).
+        settings["enable_chunked_prefill"] = False
     if config.lora_rank is not None:
         rank = next((r for r in LORA_RANKS if r >= config.lora_rank), None)
         if rank is None:
