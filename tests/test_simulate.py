@@ -184,3 +184,17 @@ def test_a_thousand_workers_for_a_thousand_steps(tmp_path: Path) -> None:
     assert summary["steps"] == 1000 and summary["staleness_max"] <= 4
     assert summary["steps_per_s"] == pytest.approx(1 / 90.0, rel=0.01)  # trainer-bound
     assert wall < 120  # generous: about 1 s on an idle core
+
+
+@pytest.mark.parametrize(("inflight", "period_s"), [("interrupt", 2.0), ("drain", 2.0 + 0.5)])
+def test_a_draining_sync_waits_for_the_generation_in_flight(
+    tmp_path: Path, inflight: str, period_s: float
+) -> None:
+    """One worker, a batch ahead: in flight, generation never stops (a step every 2 s of
+    generation); a draining sync waits for the batch being generated, and the next one
+    starts only after the sync's 0.5 s."""
+    summary = simulate(_config(
+        tmp_path, ASYNC, "loop.concurrency=2", "loop.workers=1", "simulate.train_s=0.5",
+        "simulate.sync_s=0.5", f"simulate.inflight_at_sync={inflight}",
+    ))  # fmt: skip
+    assert summary["steps_per_s"] == pytest.approx(1 / period_s, rel=0.02)

@@ -26,7 +26,10 @@ Given ``rollout_times_s`` (measured batch times), the rollout of data index i ta
 entry i mod n (attempt a of it: i + a), so every measured time is used equally, their
 tail included; ``train_times_s`` likewise
 replaces the constant ``train_s``, step by step. Saves cost no virtual time (tiny real
-writes; the snapshot, the one part on the loop, is not modelled).
+writes; the snapshot, the one part on the loop, is not modelled). A weight sync takes
+``sync_s``; with ``inflight_at_sync = "drain"`` it first waits for every rollout in
+flight, and rollouts wait for it (a batch is the unit: the sync waits for the batch's
+longest episode), as a draining engine does; "interrupt" (the default) waits for none.
 """
 
 from __future__ import annotations
@@ -34,7 +37,7 @@ from __future__ import annotations
 import shutil
 import tomllib
 from pathlib import Path
-from typing import Annotated, Any
+from typing import Annotated, Any, Literal
 
 import anyio
 import msgspec
@@ -77,6 +80,10 @@ class SimulateConfig(TrainerConfig, frozen=True, forbid_unknown_fields=True, kw_
     train_times_s: tuple[NonNegative, ...] = ()  # measured train times, in turn
     sync_s: NonNegative = 0.0
     eval_s: NonNegative = 0.0
+    # A weight sync and the generations in flight: "interrupt" (the new weights between
+    # two decode steps: the sync waits for none) or "drain" (it waits for every running
+    # rollout, and no rollout starts until it is done), as trainer.inflight_at_sync.
+    inflight_at_sync: Literal["interrupt", "drain"] = "interrupt"
 
 
 class SimulatedTrainer(Trainer[SimulateConfig]):
@@ -91,10 +98,21 @@ class SimulatedTrainer(Trainer[SimulateConfig]):
             self.config.samples_per_prompt
         )
         self._trained = 0
+        self._generating = 0  # rollouts running now
+        self._drained: anyio.Event | None = None  # a draining sync waits on it
+        self._syncing: anyio.Event | None = None  # a draining sync runs: rollouts wait
 
     async def rollout(self, inputs: Any, ctx: RolloutContext) -> Batch:
         seconds = self.rollout_time(ctx.index, ctx.attempt)
-        await anyio.sleep(seconds)
+        while self._syncing is not None:
+            await self._syncing.wait()
+        self._generating += 1
+        try:
+            await anyio.sleep(seconds)
+        finally:
+            self._generating -= 1
+            if not self._generating and self._drained is not None:
+                self._drained.set()
         return Batch(None)
 
     def rollout_time(self, index: int, attempt: int = 0) -> float:
@@ -124,7 +142,18 @@ class SimulatedTrainer(Trainer[SimulateConfig]):
         return {}
 
     async def sync_weights(self, version: int) -> None:
-        await anyio.sleep(self.config.sync_s)
+        if self.config.inflight_at_sync == "interrupt":
+            await anyio.sleep(self.config.sync_s)
+            return
+        syncing = self._syncing = anyio.Event()
+        try:
+            if self._generating:  # the longest generation in flight ends first
+                self._drained = anyio.Event()
+                await self._drained.wait()
+            await anyio.sleep(self.config.sync_s)
+        finally:
+            self._drained = self._syncing = None
+            syncing.set()
 
     async def evaluate(self) -> Metrics:
         await anyio.sleep(self.config.eval_s)
