@@ -52,6 +52,7 @@ SUITES = {  # name: the module (benchmarks/<module>.py) whose `suite` it is
     "distill": "distill",
     "tinker_models": "tinker_models",
     "memory": "memory",
+    "longtail": "longtail",
 }
 # Left out of `corun bench --quick` (every suite): each needs several model processes, an
 # engine server or a trained model, and takes this long on its quick grid alone (2 quiet
@@ -64,6 +65,7 @@ NOT_QUICK = {
     "generation": "57 s: a vLLM engine process per measurement",
     "distill": "58 s: a teacher trained first, then three students",
     "tinker_models": "60 s: a process per model count, two models",
+    "longtail": "166 s: six training runs, three of them on vLLM",
 }
 GRIDS = ("full", "quick", "tiny")
 EXIT_USAGE, EXIT_INTERRUPTED = 2, 130
