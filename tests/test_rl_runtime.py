@@ -355,3 +355,25 @@ async def test_init_from_config_trains_the_prerequisite_once(tmp_path: Path) -> 
         assert trainer.reference is not None
         assert_state_equal(trainer.reference.state_dict(), sft_weights)
     assert_state_equal(trainers[0].state_dict(), trainers[1].state_dict())
+
+
+async def test_a_prerequisite_shows_progress_as_the_run_that_needs_it(
+    tmp_path: Path, capfd: pytest.CaptureFixture[str]
+) -> None:
+    """A bench's (or host's) ``log.progress = "off"`` holds for the warm start it trains
+    first: its plain step lines once interleaved with ``corun bench``'s bar."""
+    sft = _write_toml(tmp_path / "sft.toml", {
+        "run": {"dir": str(tmp_path / "sft"), "steps": 2, "seed": 1},
+        "loop": {"baseline_eval": False}, "log": {"progress": "plain"},
+        "data": {"batch_size": 8},
+        "trainer": {"kind": "sft", "task": "sort", "d_model": 32, "n_heads": 2,
+                    "n_layers": 1, "eval_size": 8},
+    })  # fmt: skip
+    grpo = {"d_model": 32, "n_heads": 2, "n_layers": 1, "init_from": str(sft), "eval_size": 8}
+    config = _config(tmp_path / "grpo", "grpo", 1, grpo)
+    assert config.log.progress == "off"
+    with anyio.fail_after(60):
+        await corun.run(GRPOTrainer(config), config)
+    assert (tmp_path / "sft" / "checkpoints" / "step-2").is_dir()  # trained first
+    out, err = capfd.readouterr()
+    assert "step 1/2" not in out + err and "step 2/2" not in out + err

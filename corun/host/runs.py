@@ -65,7 +65,7 @@ def extensions(trainer: Trainer[Any], config: Config, session: Session) -> Exten
     return Extensions(
         remote=partial(RayWorkers.start, trainer, config) if on_ray else None,
         service=partial(_endpoint, trainer, config, session.inbox) if serves else None,
-        prerequisites=_PrerequisiteRuns(),
+        prerequisites=_PrerequisiteRuns(config.log.progress),
     )
 
 
@@ -101,11 +101,15 @@ def _endpoint(
 
 class _PrerequisiteRuns:
     """Prerequisite runs, trained by :func:`run` (nested: a stop of the run that needs
-    them cancels them too)."""
+    them cancels them too), with the progress display of the run that needs them (its
+    process's output: a bench's or a host's ``log.progress = "off"`` holds for both)."""
+
+    def __init__(self, progress: str) -> None:
+        self.progress = progress
 
     def complete(self, config: Path) -> bool:
         return final_checkpoint(load_config(config)) is not None
 
     async def train(self, config: Path) -> None:
-        settings = load_config(config)
+        settings = load_config(config, [f"log.progress={self.progress}"])
         await run(resolve_trainer(settings.trainer.kind)(settings), settings)
