@@ -89,9 +89,14 @@ class HTTPService:
 
     async def stop(self) -> None:
         """Stop gracefully and wait until stopped (a teardown step)."""
+        await self.stop_serving()
+        self.lane.close()
+
+    async def stop_serving(self) -> None:
+        """Stop answering and wait until the server has stopped; the lane stays open
+        (a subclass's last work on it comes before it closes)."""
         self._stop.set()
         await self._stopped.wait()
-        self.lane.close()
 
     @asynccontextmanager
     async def running(self) -> AsyncIterator[str]:

@@ -50,10 +50,13 @@ class TinkerServer(HTTPService):
         """Stop as the module says and wait until stopped (a teardown step)."""
         self.service.futures.fail_pending(STOPPING)
         try:
-            await super().stop()
-            await self._save_open_models()
+            await self.stop_serving()
+            await self._save_open_models()  # on the lane: before it closes
         finally:
-            await self.service.backend.close()
+            try:
+                await self.service.backend.close()
+            finally:
+                self.lane.close()
 
     async def _save_open_models(self) -> None:
         for entry in list(self.service.models.values()):
