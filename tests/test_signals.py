@@ -266,3 +266,19 @@ def test_third_signal_exits_at_once(start_corun: Callable[..., CorunRun]) -> Non
     assert events[-1]["event"] == "end"
     assert events[-1]["reason"] == "killed", events[-1]
     assert_engine_gone(run)
+
+
+def test_sigusr1_prints_every_stack_and_the_run_goes_on(
+    start_corun: Callable[..., CorunRun],
+) -> None:
+    """A hung run's post-mortem: SIGUSR1 prints each thread's stack to stderr (the
+    train lane's and the event loop's), and the run trains on."""
+    run = start_corun({}, run={"steps": 100_000}, log={"progress": "off"})
+    run.wait_phase("train")
+    run.send(signal.SIGUSR1)
+    run.wait_stderr("(most recent call first)")
+    steps = run.names().count("step")
+    run.wait_until("a step after the dump", lambda: run.names().count("step") > steps)
+    assert run.stderr().count("(most recent call first)") >= 2, run.stderr()  # all threads
+    run.send(signal.SIGINT)
+    assert run.wait_exit() == 130, run.stderr()

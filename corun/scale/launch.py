@@ -25,6 +25,7 @@ rank, which SIGTERM cannot move, ends the run that much after the failure.
 
 from __future__ import annotations
 
+import faulthandler
 import logging
 import math
 import os
@@ -128,6 +129,8 @@ def main(argv: list[str] | None = None) -> int:
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 
+    # As every corun process (corun/host/early_signals.py): SIGUSR1 prints the stacks.
+    faulthandler.register(signal.SIGUSR1, all_threads=True)
     # Its own report of a failure repeats ours, with a binary path; ours is one line.
     # (Each of its modules' loggers has its level set on import: each one, then.)
     for name in [*logging.root.manager.loggerDict, "torch.distributed.elastic"]:

@@ -18,7 +18,14 @@ import tomli_w
 
 from corun.records import checkpoint
 from tests.support.fakes import DOCUMENTED_ORDER, TEARDOWN_ORDER
-from tests.support.processes import alive, corun_command, environment, events, wait_until
+from tests.support.processes import (
+    alive,
+    corun_command,
+    dump_stacks,
+    environment,
+    events,
+    wait_until,
+)
 
 WAIT_S = 60.0  # deadline for a phase marker or an event to appear
 EXIT_S = 30.0  # deadline for the process to exit after the (last) signal
@@ -82,6 +89,7 @@ class CorunRun:
         try:
             return self.proc.wait(timeout=timeout)
         except subprocess.TimeoutExpired:
+            dump_stacks(self.proc.pid)  # where it hangs, in the message
             pytest.fail(f"corun still running {timeout} s after the signal:\n{self.stderr()}")
 
     def engine_pid_now(self) -> int | None:

@@ -5,6 +5,7 @@ liveness and descendants from /proc, the events.jsonl a running process writes, 
 from __future__ import annotations
 
 import os
+import signal
 import sys
 import time
 from collections.abc import Callable
@@ -114,3 +115,16 @@ def processes_with(entry: bytes) -> list[int]:
         except OSError:  # gone, or not ours to read
             pass
     return found
+
+
+def dump_stacks(pid: int) -> None:
+    """SIGUSR1 to ``pid`` and its descendants that run ``corun train`` (the launcher,
+    torchrun's agent, the ranks): each prints its threads' stacks to stderr and goes on
+    (corun/host/early_signals.py), for the message of a test that found it hanging."""
+    for each in [pid, *children_of(pid)]:
+        try:
+            if b"corun\0train\0" in Path(f"/proc/{each}/cmdline").read_bytes():
+                os.kill(each, signal.SIGUSR1)
+        except (OSError, ProcessLookupError):  # gone meanwhile
+            pass
+    time.sleep(2.0)  # the dumps reach the stderr file
