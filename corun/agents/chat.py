@@ -219,6 +219,7 @@ def _arguments(call: ToolCall) -> dict[str, Any]:
 
 # ----------------------------------------------------------------------------- tool calls
 
+TOOL_CALL_MARKER = "<tool_call>"  # where a Hermes tool call starts
 TOOL_CALL = re.compile(r"<tool_call>(.*?)(?:</tool_call>|\Z)", re.DOTALL)
 
 

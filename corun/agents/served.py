@@ -9,8 +9,8 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 
-from corun.agents.chat import ChatTemplate
-from corun.contract.engine import Engine
+from corun.agents.chat import TOOL_CALL_MARKER, ChatTemplate
+from corun.contract.engine import Engine, TokenSink, generate_streamed
 from corun.contract.engine import Sampling as EngineSampling
 from corun.contract.policy import ChatMessage, Completion, Reply, Sampling, ToolSpec
 
@@ -33,6 +33,7 @@ class EnginePolicy:
         self.max_len = max_len
         self.vocab_size = len(template.tokenizer)
         self.fingerprints = fingerprints
+        self.tool_call_marker = TOOL_CALL_MARKER
 
     def encode(self, text: str) -> list[int]:
         # A completion prompt as the tokenizer encodes text (its special tokens added).
@@ -60,13 +61,14 @@ class EnginePolicy:
         return self.template.parse(ids, tools)
 
     async def generate(
-        self, prompts: list[list[int]], sampling: Sampling, seed: int
-    ) -> list[Completion]:
+        self, prompts: list[list[int]], sampling: Sampling, seed: int,
+        sink: TokenSink | None = None,
+    ) -> list[Completion]:  # fmt: skip
         settings = EngineSampling(
             sampling.max_tokens, sampling.temperature, sampling.top_p,
             stop_ids=self.template.stop_ids, top_logprobs=sampling.top_logprobs,
         )  # fmt: skip
-        done = await self.engine.generate(prompts, settings, seed)
+        done = await generate_streamed(self.engine, prompts, settings, seed, sink)
         return [Completion(g.ids, g.logprobs, g.versions, g.finish, g.top) for g in done]
 
     def fingerprint(self, version: int) -> str:

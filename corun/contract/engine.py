@@ -13,12 +13,27 @@ its own copy (corun/engines/fingerprint.py), so a sync that did not take is caug
 Every method is ``async``: an engine behind I/O awaits it; an in-process one runs its
 compute on a lane.
 
+Streaming: an engine that can hand each decode step's tokens out as they are sampled
+is a :class:`StreamingEngine` (``generate_stream``, with a :data:`TokenSink`); callers go
+through :func:`generate_streamed`, which runs any other engine's whole-reply
+``generate`` and hands each row over as one :class:`Delta` at the end — so an engine
+gains streaming by adding ``generate_stream`` alone, and nothing else changes. The
+rules of a sink: it is called ``sink(row, delta)`` for each row's new tokens, in
+order, on whatever thread samples them (an engine's lane, or the event loop), so it
+must be thread-safe and must not block; a row's deltas joined are its
+:class:`Generation`'s tokens (its stop token included); and a sink that returns False
+for a row asks the engine to stop generating that row (its client is gone, or a stop
+string ended it): the engine stops it within a step or so, the other rows go on, and
+the row's Generation holds the tokens sampled until then (``finish`` "length" unless
+it stopped on its own). The transformers engine and in-process vLLM stream; the
+vLLM server engine and the fleet deliver whole replies through the fallback.
+
 Kept free of any engine's types, so another engine (SGLang, say) is an adapter away.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal, NamedTuple, Protocol, runtime_checkable
 
@@ -62,6 +77,29 @@ class Generation:
     finish: Finish
     # With Sampling.top_logprobs: per token, the most likely (id, log-prob), best first.
     top: list[list[tuple[int, float]]] | None = None
+
+
+@dataclass(frozen=True)
+class Delta:
+    """A row's tokens sampled since its last delta: ids, behaviour log-probs, the
+    version of each and (with ``Sampling.top_logprobs``) each step's top tokens."""
+
+    ids: list[int]
+    logprobs: list[float]
+    versions: list[int]
+    top: list[list[tuple[int, float]]] | None = None
+
+
+# sink(row, delta) -> whether that row is still wanted (see the module's docstring).
+TokenSink = Callable[[int, Delta], bool]
+
+
+def deliver(generations: Sequence[Generation], sink: TokenSink) -> None:
+    """Whole generations handed to ``sink`` as one delta per row (a whole-reply engine's
+    streaming)."""
+    for row, done in enumerate(generations):
+        if done.ids:
+            sink(row, Delta(done.ids, done.logprobs, done.versions, done.top))
 
 
 @dataclass(frozen=True)
@@ -123,6 +161,33 @@ class Engine(Protocol):
     async def shutdown(self) -> None:
         """Release everything (bounded; a child process is killed as a group)."""
         ...
+
+
+@runtime_checkable
+class StreamingEngine(Protocol):
+    """An engine that hands out each decode step's tokens as they are sampled."""
+
+    async def generate_stream(
+        self, prompts: Sequence[Sequence[int]], sampling: Sampling, seed: int, sink: TokenSink
+    ) -> list[Generation]:
+        """:meth:`Engine.generate`, each row's new tokens also given to ``sink`` as they
+        are sampled (the rules: the module's docstring)."""
+        ...
+
+
+async def generate_streamed(
+    engine: Engine, prompts: Sequence[Sequence[int]], sampling: Sampling, seed: int,
+    sink: TokenSink | None,
+) -> list[Generation]:  # fmt: skip
+    """``engine``'s generations of ``prompts``, streamed to ``sink`` (when given): step by
+    step by a :class:`StreamingEngine`, else each row at once when its call returns."""
+    if sink is None:
+        return await engine.generate(prompts, sampling, seed)
+    if isinstance(engine, StreamingEngine):
+        return await engine.generate_stream(prompts, sampling, seed, sink)
+    done = await engine.generate(prompts, sampling, seed)
+    deliver(done, sink)
+    return done
 
 
 @runtime_checkable
@@ -229,6 +294,17 @@ class EngineWrapper:
         self, prompts: Sequence[Sequence[int]], sampling: Sampling, seed: int
     ) -> list[Generation]:
         return await self.inner.generate(prompts, sampling, seed)
+
+    async def generate_stream(
+        self, prompts: Sequence[Sequence[int]], sampling: Sampling, seed: int, sink: TokenSink
+    ) -> list[Generation]:
+        """``inner``'s stream; a wrapper that overrides ``generate`` (and not this) is
+        streamed through its own ``generate``, a delta per row at the end."""
+        if type(self).generate is not EngineWrapper.generate:
+            done = await self.generate(prompts, sampling, seed)
+            deliver(done, sink)
+            return done
+        return await generate_streamed(self.inner, prompts, sampling, seed, sink)
 
     async def update_weights(self, state: Mapping[str, Tensor], version: int) -> None:
         await self.inner.update_weights(state, version)

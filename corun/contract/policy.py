@@ -13,6 +13,8 @@ A trainer's policy is served through :class:`ServedPolicy`: a conversation rende
 once, then grown by the sampled ids of each reply and the continuation after it, so
 what is trained is what was sampled (corun/agents/served.py serves any engine with a
 Hugging Face chat template; trainers/agentic/serving.py is the calculator's).
+``generate`` may stream: given a sink it hands each row's tokens over as they are
+sampled, under the engine contract's rules (corun/contract/engine.py's ``TokenSink``).
 """
 
 from __future__ import annotations
@@ -23,6 +25,8 @@ from dataclasses import dataclass, field
 from typing import Annotated, Any, Literal, Protocol
 
 import msgspec
+
+from corun.contract.engine import TokenSink
 
 Finish = Literal["stop", "length", "tool_calls"]
 
@@ -243,11 +247,20 @@ class ServedPolicy(Protocol):
         """The reply of a generation: text, or tool calls (of ``tools`` offered)."""
         ...
 
+    @property
+    def tool_call_marker(self) -> str:
+        """The text a tool call starts with in a reply (``"<tool_call>"``): a streamed
+        reply's text is sent up to it, the rest when the reply is parsed. "": any reply
+        may be a call, so with tools offered nothing is sent before the reply ends."""
+        ...
+
     async def generate(
-        self, prompts: list[list[int]], sampling: Sampling, seed: int
-    ) -> list[Completion]:
+        self, prompts: list[list[int]], sampling: Sampling, seed: int,
+        sink: TokenSink | None = None,
+    ) -> list[Completion]:  # fmt: skip
         """One reply per prompt (the prompts may differ in length), all draws from
-        ``seed``."""
+        ``seed``; with ``sink``, each row's tokens as they are sampled (or, from a
+        policy that cannot stream, each row's at the end)."""
         ...
 
     def fingerprint(self, version: int) -> str:

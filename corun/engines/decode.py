@@ -6,7 +6,10 @@ left padding, position ids that skip it).
 Prompts of several lengths are left-padded; position ids skip the padding, so each
 row computes what it would alone. Log-probs are under the full temperature-scaled
 distribution (what the trainer recomputes; top-p only narrows what is drawn), and
-each token records the weight version that produced it. When ``weights_version``
+each token records the weight version that produced it. With a ``sink`` (corun/contract/
+engine.py's streaming rules) each step's tokens are handed over as they are drawn, a
+row whose sink declines more is stopped there (masked like a finished row: the other
+rows' draws are unchanged). When ``weights_version``
 reports newer weights between two steps (a partial rollout), the cache of the old
 weights is dropped and the prefix is re-read by the new ones. With
 ``Sampling.top_logprobs`` each step also keeps the most likely tokens under that same
@@ -23,7 +26,7 @@ from typing import Any, Literal, Protocol
 import torch
 from torch import Tensor, nn
 
-from corun.contract.engine import Generation, Sampling
+from corun.contract.engine import Delta, Generation, Sampling, TokenSink
 from corun.execution.compute import cancel_point
 
 
@@ -76,11 +79,11 @@ def top_p_log_probs(logits: Tensor, top_p: float) -> Tensor:
 def generate(
     policy: CausalLM, prompts: Sequence[Sequence[int]], sampling: Sampling,
     generator: torch.Generator | None, pad_id: int,
-    weights_version: Callable[[], int] = lambda: 0,
+    weights_version: Callable[[], int] = lambda: 0, sink: TokenSink | None = None,
 ) -> list[Generation]:  # fmt: skip
     """One continuation per prompt; ``temperature`` 0 is greedy and draws nothing.
     Computes on the model's device (``generator`` must be on it too); the results come
-    back to the CPU once, at the end."""
+    back to the CPU once, at the end (and, with ``sink``, each step's tokens as well)."""
     model = policy.model
     was_training = model.training
     model.eval()
@@ -97,6 +100,7 @@ def generate(
     cache = None
     step_ids = ids  # what the next forward reads: the whole prefix, or the last token
     keep = {"logits_to_keep": 1} if _keeps_logits(model) else {}  # not the prefix's
+    cut: dict[int, int] = {}  # rows a sink declined: the tokens they keep
     for step in range(sampling.max_tokens):
         if step:
             cancel_point()
@@ -119,6 +123,8 @@ def generate(
         token = token.masked_fill(done, pad_id)
         tokens.append(token)
         logprobs.append(logprob.masked_fill(done, 0.0))
+        if sink is not None:
+            _hand_over(sink, done, tokens, logprobs, version, tops, cut)
         done |= torch.isin(token, stops)
         ids = torch.cat([ids, token[:, None]], dim=1)
         mask = torch.cat([mask, torch.ones(batch, 1, dtype=torch.bool, device=device)], dim=1)
@@ -126,7 +132,25 @@ def generate(
         if bool(done.all()):
             break
     model.train(was_training)
-    return _generations(tokens, logprobs, versions, set(stop_ids), tops)
+    return _generations(tokens, logprobs, versions, set(stop_ids), tops, cut)
+
+
+def _hand_over(
+    sink: TokenSink, done: Tensor, tokens: list[Tensor], logprobs: list[Tensor], version: int,
+    tops: list[tuple[Tensor, Tensor]], cut: dict[int, int],
+) -> None:  # fmt: skip
+    """This step's token of each running row to ``sink``; a row it declines is marked
+    done (in place) and keeps its tokens so far."""
+    running = (~done).nonzero().flatten().tolist()
+    if not running:
+        return
+    step_ids, step_lps = tokens[-1].tolist(), logprobs[-1].tolist()
+    best = [(ids.tolist(), lps.tolist()) for ids, lps in tops[-1:]]
+    for row in running:
+        top = [list(zip(best[0][0][row], best[0][1][row], strict=True))] if best else None
+        if not sink(row, Delta([step_ids[row]], [step_lps[row]], [version], top)):
+            done[row] = True
+            cut[row] = len(tokens)
 
 
 # The most logits (positions x vocabulary entries) a scoring pass holds, beyond one
@@ -220,7 +244,7 @@ def sample_rows(probs: Tensor, generator: torch.Generator | None) -> Tensor:
 
 def _generations(
     tokens: list[Tensor], logprobs: list[Tensor], versions: list[int], stop_ids: set[int],
-    tops: list[tuple[Tensor, Tensor]],
+    tops: list[tuple[Tensor, Tensor]], cut: dict[int, int] | None = None,
 ) -> list[Generation]:  # fmt: skip
     if not tokens:
         return []
@@ -232,6 +256,8 @@ def _generations(
         stop_at = next((i for i, token in enumerate(ids) if token in stop_ids), None)
         end = len(ids) if stop_at is None else stop_at + 1
         finish: Literal["stop", "length"] = "length" if stop_at is None else "stop"
+        if cut and row in cut and cut[row] < end:  # declined by a sink before it ended
+            end, finish = cut[row], "length"
         generation = Generation(ids[:end], lps[:end], versions[:end], finish)
         if top_ids is not None and top_lps is not None:
             generation.top = [

@@ -38,7 +38,7 @@ import anyio
 import torch
 from torch import Tensor
 
-from corun.contract.engine import Adapter, EngineError, Generation, Sampling
+from corun.contract.engine import Adapter, EngineError, Generation, Sampling, TokenSink
 from corun.engines import decode
 from corun.engines.fingerprint import bits_sum, format_fingerprint, weights_fingerprint
 from corun.engines.lora import adapter_parameters, parameter_name
@@ -106,18 +106,26 @@ class TransformersEngine:
     async def generate(
         self, prompts: Sequence[Sequence[int]], sampling: Sampling, seed: int
     ) -> list[Generation]:
+        return await self.generate_stream(prompts, sampling, seed, None)
+
+    async def generate_stream(
+        self, prompts: Sequence[Sequence[int]], sampling: Sampling, seed: int,
+        sink: TokenSink | None,
+    ) -> list[Generation]:  # fmt: skip
+        """:meth:`generate`, each step's tokens to ``sink`` as they are drawn (a row it
+        declines stops at once; corun/contract/engine.py's streaming rules)."""
         await self._resumed.wait()
         if self._closed:
             raise EngineError("the transformers engine is shut down")
-        return await self.lane.run(self._generate, list(prompts), sampling, seed)
+        return await self.lane.run(self._generate, list(prompts), sampling, seed, sink)
 
     def _generate(
-        self, prompts: list[list[int]], sampling: Sampling, seed: int
+        self, prompts: list[list[int]], sampling: Sampling, seed: int, sink: TokenSink | None
     ) -> list[Generation]:
         # Drawn on the model's device: the CPU's stream on a CPU run, as before.
         generator = torch.Generator(self.device).manual_seed(seed)
         return decode.generate(
-            self, prompts, sampling, generator, self.pad_id, self._current_weights
+            self, prompts, sampling, generator, self.pad_id, self._current_weights, sink
         )
 
     async def score(

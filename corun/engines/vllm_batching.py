@@ -20,6 +20,11 @@ it: vLLM reports each step's new tokens (``RequestOutputKind.DELTA``), and
 generation that spans an in-flight update (``inflight_at_sync = "interrupt"``) thus
 carries both versions, each token with its behaviour log-prob under its own weights;
 one on a LoRA adapter keeps the adapter's version throughout (the base never changes).
+
+A call with a sink (``Requests.sink``: corun/contract/engine.py's streaming rules) also
+hands each request's new tokens to it as they are filed, on the lane; a request the
+sink declines is aborted in vLLM there and then (its call's other requests go on), its
+tokens so far its generation.
 """
 
 from __future__ import annotations
@@ -32,7 +37,7 @@ from typing import Any
 
 import anyio
 
-from corun.contract.engine import Finish, Generation, Sampling
+from corun.contract.engine import Delta, Finish, Generation, Sampling, TokenSink
 from corun.engines.vllm_common import nucleus_args, one_line, sampling_fields, top_entries
 from corun.execution.compute import Lane, cancel_point, stop_requested
 
@@ -123,7 +128,7 @@ class Batcher:
             except Exception as exc:  # vLLM's state is unknown: every call fails
                 self.fail_all(Failed(one_line(exc)))
                 return
-            self._file(outputs)
+            self._file(engine, outputs)
 
     def _add(self, engine: Any, batch: Requests) -> None:
         from vllm import SamplingParams
@@ -154,20 +159,27 @@ class Batcher:
         if not batch.prompts:
             self._settle(batch)
 
-    def _file(self, outputs: list[Any]) -> None:
+    def _file(self, engine: Any, outputs: list[Any]) -> None:
         """Each step's new tokens to their call, stamped with the version of the weights
-        that produced them; a call whose requests have all finished is settled."""
+        that produced them (and to its sink, which may decline the request: it is
+        aborted); a call whose requests have all finished is settled."""
         for output in outputs:
             owner = self._requests.get(output.request_id)
             if owner is None:
                 continue
             batch, index = owner
+            finished = output.finished
             if batch.scoring:
                 batch.outputs[index] = output
             else:
                 version = self.weights_version if batch.adapter is None else batch.version
-                batch.outputs[index].extend(output.outputs[0], version, batch.sampling)
-            if output.finished:
+                tokens = batch.outputs[index]
+                delta = tokens.extend(output.outputs[0], version, batch.sampling)
+                if batch.sink is not None and delta.ids and not batch.sink(index, delta):
+                    if not finished:  # declined: out of vLLM now, the others go on
+                        _abort(engine, [batch.internal[index]])
+                    finished = True
+            if finished:
                 del self._requests[output.request_id]
                 batch.left -= 1
                 if batch.left == 0:
@@ -210,8 +222,10 @@ class Tokens:
     top: list[list[tuple[int, float]]] = field(default_factory=list)
     finish: Finish = "length"
 
-    def extend(self, delta: Any, version: int, sampling: Sampling) -> None:
-        """vLLM's CompletionOutput of one step (its new tokens alone)."""
+    def extend(self, delta: Any, version: int, sampling: Sampling) -> Delta:
+        """vLLM's CompletionOutput of one step (its new tokens alone), added; returned as
+        a :class:`Delta`."""
+        start = len(self.ids)
         ids, steps = list(delta.token_ids), list(delta.logprobs or ())
         self.ids += ids
         self.logprobs += [float(step[t].logprob) for step, t in zip(steps, ids, strict=True)]
@@ -221,6 +235,8 @@ class Tokens:
                                      sampling) for step in steps]  # fmt: skip
         if delta.finish_reason is not None:
             self.finish = "stop" if delta.finish_reason == "stop" else "length"
+        top = self.top[start:] if sampling.top_logprobs else None
+        return Delta(ids, self.logprobs[start:], self.versions[start:], top)
 
     def generation(self, sampling: Sampling) -> Generation:
         top = self.top if sampling.top_logprobs else None
@@ -247,6 +263,7 @@ class Requests:
     claimed: bool = False  # its caller has it, or left (under the batcher's lock)
     problem: Problem | None = None
     scoring: bool = False  # a score call's: outputs are vLLM's RequestOutputs
+    sink: TokenSink | None = None  # a streamed generation's: each request's new tokens
 
     def generations(self) -> list[Generation]:
         return [tokens.generation(self.sampling) for tokens in self.outputs]

@@ -67,7 +67,7 @@ import torch
 from torch import Tensor
 
 from corun.base.errors import ConfigError
-from corun.contract.engine import EngineError, Generation, Sampling, ScoringRefused
+from corun.contract.engine import EngineError, Generation, Sampling, ScoringRefused, TokenSink
 from corun.engines.options import OPTIONS, EngineOptions, VLLMConfig
 from corun.engines.vllm_batching import SCORING, Batcher, Failed, Rejected, Requests, prompt_scores
 from corun.engines.vllm_common import (
@@ -147,6 +147,14 @@ class VLLMEngine(WeightUpdates, DrainingEngine):
     async def generate(
         self, prompts: Sequence[Sequence[int]], sampling: Sampling, seed: int
     ) -> list[Generation]:
+        return await self.generate_stream(prompts, sampling, seed, None)
+
+    async def generate_stream(
+        self, prompts: Sequence[Sequence[int]], sampling: Sampling, seed: int,
+        sink: TokenSink | None,
+    ) -> list[Generation]:  # fmt: skip
+        """:meth:`generate`, each step's new tokens to ``sink`` as vLLM files them (a
+        request it declines is aborted; corun/contract/engine.py's streaming rules)."""
         self._check()
         if self._asleep:
             raise EngineError("vLLM is asleep (colocated: the trainer is stepping)")
@@ -161,7 +169,8 @@ class VLLMEngine(WeightUpdates, DrainingEngine):
                 # adapter update changes the version only for generations admitted
                 # after it. Each token carries its own version (vllm_batching.py).
                 rows = [list(p) for p in prompts]
-                requests = Requests(rows, sampling, seed, adapter_request(adapter), self._version)
+                requests = Requests(rows, sampling, seed, adapter_request(adapter), self._version,
+                                    sink=sink)  # fmt: skip
                 batch = await self._batcher.run(requests)
             self._raise_problem(batch, "generating")
         return batch.generations()

@@ -26,7 +26,7 @@ from __future__ import annotations
 import re
 import secrets
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
@@ -34,10 +34,11 @@ import msgspec
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
 from starlette.requests import ClientDisconnect, Request
-from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
-from corun.agents.chat import content_pieces, cut_at_stop, find_stop
+from corun.agents.chat import cut_at_stop, find_stop
+from corun.contract.engine import Delta
 from corun.contract.policy import (
     ChatMessage,
     ChatRequest,
@@ -50,6 +51,7 @@ from corun.contract.policy import (
 )
 from corun.serve.batching import Batcher
 from corun.serve.capture import Recorder
+from corun.serve.streaming import Emit, EventStream, ReplyText, TokenFeed
 
 S = TypeVar("S")
 Handler = Callable[[Request], Awaitable[Any]]
@@ -138,20 +140,53 @@ class _Api:
         top = body.logprobs or 0
         sampling = _sampling(policy, len(prompt), body.max_tokens, body.temperature,
                              body.top_p, top)  # fmt: skip
+        if body.stream:
+            return self._stream_completion(body, prompt, sampling)
         done = (await self.batcher.generate(prompt, sampling, body.seed))[0]
-        choice: dict[str, Any] = {
-            "index": 0, "text": policy.decode(done.ids), "finish_reason": done.finish,
-            "token_ids": done.ids, "logprobs": None,
-        }  # fmt: skip
-        if body.logprobs is not None:
+        choice = self._text_choice(policy.decode(done.ids), done, body.logprobs, done.finish)
+        response = _envelope("text_completion", policy, prompt, [done]) | {"choices": [choice]}
+        return response
+
+    def _text_choice(
+        self, text: str, done: Completion, logprobs: int | None, finish: str | None
+    ) -> dict[str, Any]:
+        """A legacy completion's choice: ``text``, of ``done``'s tokens."""
+        choice: dict[str, Any] = {"index": 0, "text": text, "finish_reason": finish,
+                                  "token_ids": done.ids, "logprobs": None}  # fmt: skip
+        if logprobs is not None:
             tops = None
-            if top and done.top is not None:
-                tops = [{policy.token(i): lp for i, lp in row[:top]} for row in done.top]
-            tokens = [policy.token(i) for i in done.ids]
+            if logprobs and done.top is not None:
+                tops = [{self.policy.token(i): lp for i, lp in row[:logprobs]} for row in done.top]
+            tokens = [self.policy.token(i) for i in done.ids]
             choice["logprobs"] = {"tokens": tokens, "token_logprobs": done.logprobs,
                                   "top_logprobs": tops}  # fmt: skip
-        response = _envelope("text_completion", policy, prompt, [done]) | {"choices": [choice]}
-        return _stream([response]) if body.stream else response
+        return choice
+
+    def _stream_completion(
+        self, body: CompletionRequest, prompt: list[int], sampling: Sampling
+    ) -> EventStream:
+        """A legacy completion streamed: text chunks as tokens arrive, then the last
+        with the finish reason and the usage."""
+        feed, text = TokenFeed(), ReplyText(self.policy.decode, [], None, lstrip=False)
+        request = self.batcher.submit(prompt, sampling, body.seed, 1, feed.sink)
+        head = {"id": f"cmpl-{secrets.token_hex(8)}", "object": "text_completion",
+                "created": int(time.time()), "model": self.policy.name}  # fmt: skip
+
+        async def run(emit: Emit) -> None:
+            async def each(_: int, delta: Delta) -> None:
+                tokens = Completion(delta.ids, delta.logprobs, delta.versions, "length", delta.top)
+                text.tokens += len(delta.ids)
+                choice = self._text_choice(text.add(delta.ids), tokens, body.logprobs, None)
+                await emit(head | {"version": max(delta.versions), "choices": [choice]})
+
+            done = (await feed.run(self.batcher, request, each))[0]
+            rest = text.rest(self.policy.decode(done.ids))
+            choice = self._text_choice(rest, _tail(done, text.tokens), body.logprobs, done.finish)
+            response = _envelope("text_completion", self.policy, prompt, [done])
+            await emit(head | {"version": response["version"], "usage": response["usage"],
+                               "choices": [choice]})  # fmt: skip
+
+        return EventStream(run, feed.close)
 
     async def chat(self, request: Request) -> Any:
         body = await _decode(request, ChatRequest)
@@ -163,27 +198,30 @@ class _Api:
             context = _render(self.policy, body.messages, tools)
         else:
             context = self.recorder.context(episode, body.messages, tools, body.group)
+        stops = [body.stop] if isinstance(body.stop, str) else body.stop or []
         try:
             limit = body.max_completion_tokens or body.max_tokens
             sampling = _sampling(self.policy, len(context), limit, body.temperature, body.top_p,
                                  body.top_logprobs or 0)  # fmt: skip
+            if body.stream:
+                return ChatStream(self, body, context, names, stops, episode).start(sampling)
             done = await self.batcher.generate(context, sampling, body.seed, body.n)
-            stops = [body.stop] if isinstance(body.stop, str) else body.stop or []
             choices = [_choice(self.policy, c, names, stops) for c in done]
         except BaseException:
             if episode is not None:
                 self.recorder.abandon(episode)
             raise
-        if episode is not None:
-            first = choices[0]
-            self.recorder.reply(episode, first.completion, first.message, first.stopped)
+        self.record(episode, choices)
         completions = [c.completion for c in choices]
         response = _envelope("chat.completion", self.policy, context, completions)
         shown = [self._shown(i, c, body.logprobs) for i, c in enumerate(choices)]
-        if body.stream:
-            usage = bool(body.stream_options and body.stream_options.include_usage)
-            return _stream(self._chunks(response, shown, choices, usage))
         return response | {"choices": shown}
+
+    def record(self, episode: str | None, choices: list[_Choice]) -> None:
+        """The reply sent, recorded in ``episode`` (if any)."""
+        if episode is not None:
+            first = choices[0]
+            self.recorder.reply(episode, first.completion, first.message, first.stopped)
 
     def _shown(self, index: int, choice: _Choice, logprobs: bool) -> dict[str, Any]:
         """A choice of a chat response."""
@@ -215,60 +253,112 @@ class _Api:
         return {"token": self.policy.token(token_id), "logprob": logprob,
                 "bytes": list(token_bytes)}  # fmt: skip
 
-    def _chunks(
-        self, response: dict[str, Any], shown: list[dict[str, Any]], choices: list[_Choice],
-        include_usage: bool,
-    ) -> list[dict[str, Any]]:  # fmt: skip
-        """A chat response as stream chunks, choice after choice; then the usage."""
-        head = {k: v for k, v in response.items() if k not in ("choices", "usage")}
-        head["object"] = "chat.completion.chunk"
-        chunks = []
-        for index, (sent, choice) in enumerate(zip(shown, choices, strict=True)):
-            chunks += _choice_chunks(head, index, sent, choice, self.policy.decode)
-        if include_usage:
-            chunks.append(head | {"choices": [], "usage": response["usage"]})
-        return chunks
 
+class ChatStream:
+    """A streamed chat reply (streaming.py's rules): the role of each choice at once,
+    content deltas as tokens arrive, then, once the replies are complete and parsed as
+    a whole reply is, what is still owed of each (held-back text, tool calls), its
+    finish reason, and the usage when asked. The episode records what a whole reply
+    records; a client that leaves first leaves the episode as it was."""
 
-def _choice_chunks(
-    head: dict[str, Any], index: int, sent: dict[str, Any], choice: _Choice,
-    decode: Callable[[Sequence[int]], str],
-) -> list[dict[str, Any]]:  # fmt: skip
-    """One choice as stream chunks: the role, the content a token at a time (each with
-    its log-prob, when asked) or the tool calls, the finish reason."""
-    chunks = []
+    def __init__(
+        self, api: _Api, body: ChatRequest, context: list[int], names: list[str],
+        stops: list[str], episode: str | None,
+    ) -> None:  # fmt: skip
+        self.api, self.policy, self.body = api, api.policy, body
+        self.context, self.names, self.stops, self.episode = context, names, stops, episode
+        marker = self.policy.tool_call_marker if names else None
+        self.texts = [ReplyText(self.policy.decode, stops, marker, lstrip=True)
+                      for _ in range(body.n)]  # fmt: skip
+        self.feed = TokenFeed()
+        self.head = {"id": f"chatcmpl-{secrets.token_hex(8)}", "object": "chat.completion.chunk",
+                     "created": int(time.time()), "model": self.policy.name}  # fmt: skip
+        self.version = 0  # the newest of the tokens sent
+        self.settled = False  # recorded or abandoned (its episode's)
+        self.emit: Emit | None = None
 
-    def chunk(delta: dict[str, Any], logprobs: Any = None, finish: str | None = None) -> None:
+    def start(self, sampling: Sampling) -> EventStream:
+        """Submit the request (a 503 now if the batcher cannot take it) and stream it."""
+        self.request = self.api.batcher.submit(self.context, sampling, self.body.seed,
+                                               self.body.n, self.feed.sink)  # fmt: skip
+        return EventStream(self._run, self._left)
+
+    def _left(self) -> None:
+        self.feed.close()
+        self._settle(None)
+
+    def _settle(self, choices: list[_Choice] | None) -> None:
+        if not self.settled:
+            self.settled = True
+            if choices is not None:
+                self.api.record(self.episode, choices)
+            elif self.episode is not None:
+                self.api.recorder.abandon(self.episode)
+
+    async def _run(self, emit: Emit) -> None:
+        self.emit = emit
+        try:
+            for k in range(self.body.n):
+                await self._chunk(k, {"role": "assistant", "content": ""})
+            done = await self.feed.run(self.api.batcher, self.request, self._delta)
+            choices = [_choice(self.policy, c, self.names, self.stops) for c in done]
+        except BaseException:
+            self._settle(None)
+            raise
+        self._settle(choices)
+        response = _envelope("chat.completion", self.policy, self.context,
+                             [c.completion for c in choices])  # fmt: skip
+        self.version = response["version"]
+        for k, choice in enumerate(choices):
+            await self._finish(k, choice)
+        if self.body.stream_options and self.body.stream_options.include_usage:
+            await emit(self.head | {"version": self.version, "choices": [],
+                                    "usage": response["usage"]})  # fmt: skip
+
+    async def _delta(self, k: int, delta: Delta) -> None:
+        """New tokens of choice ``k``: the text they release, with their log-probs."""
+        text = self.texts[k]
+        if text.ended:  # a stop string ended it: the tokens after it are not the reply's
+            return
+        before = len(text.ids)
+        piece = text.add(delta.ids)
+        tokens = Completion(delta.ids, delta.logprobs, delta.versions, "length", delta.top)
+        if text.ended:
+            self.feed.end(k)  # its row may stop generating
+            match = find_stop(text.ids, self.policy.decode, self.stops)
+            tokens = _kept(tokens, len(delta.ids) if match is None else match.kept - before)
+        self.version = max(self.version, *delta.versions)
+        await self._content(k, piece, tokens)
+
+    async def _content(self, k: int, piece: str, tokens: Completion) -> None:
+        logprobs = None
+        if self.body.logprobs and tokens.ids:
+            logprobs = self.api._logprobs(tokens)
+            self.texts[k].tokens += len(tokens.ids)
+        if piece or logprobs:
+            await self._chunk(k, {"content": piece}, logprobs)
+
+    async def _finish(self, k: int, choice: _Choice) -> None:
+        """What is still owed of choice ``k``, complete: text held back, log-probs not
+        sent, the tool calls (id, type and name, then the arguments), the finish."""
+        text, message = self.texts[k], choice.message
+        await self._content(k, text.rest(message.text()), _tail(choice.completion, text.tokens))
+        for i, call in enumerate(message.tool_calls or ()):
+            function = {"name": call.function.name, "arguments": ""}
+            opened = {"index": i, "id": call.id, "type": "function", "function": function}
+            await self._chunk(k, {"tool_calls": [opened]})
+            arguments = {"index": i, "function": {"arguments": call.function.arguments}}
+            await self._chunk(k, {"tool_calls": [arguments]})
+        await self._chunk(k, {}, finish=choice.finish)
+
+    async def _chunk(
+        self, k: int, delta: dict[str, Any], logprobs: list[Any] | None = None,
+        finish: str | None = None,
+    ) -> None:  # fmt: skip
+        assert self.emit is not None
         content = None if logprobs is None else _logprobs_object(logprobs)
-        sent = {"index": index, "delta": delta, "finish_reason": finish, "logprobs": content}
-        chunks.append(head | {"choices": [sent]})
-
-    logprobs = (sent["logprobs"] or {}).get("content")
-    chunk({"role": "assistant", "content": ""})
-    if choice.message.tool_calls:
-        _tool_call_deltas(chunk, choice.message, logprobs)
-    else:
-        ids = choice.completion.ids
-        for k, piece in enumerate(content_pieces(ids, decode, choice.message.text())):
-            chunk({"content": piece}, None if logprobs is None else logprobs[k : k + 1])
-    chunk({}, finish=choice.finish)
-    return chunks
-
-
-def _tool_call_deltas(
-    chunk: Callable[..., None], message: ChatMessage, logprobs: list[Any] | None
-) -> None:
-    """A tool-call reply's content (if any) and calls as OpenAI stream deltas: each
-    call's id, type and name, then its arguments."""
-    if message.content:
-        chunk({"content": message.content}, logprobs)
-        logprobs = None
-    for k, call in enumerate(message.tool_calls or ()):
-        function = {"name": call.function.name, "arguments": ""}
-        opened = {"index": k, "id": call.id, "type": "function", "function": function}
-        chunk({"tool_calls": [opened]}, logprobs)
-        logprobs = None
-        chunk({"tool_calls": [{"index": k, "function": {"arguments": call.function.arguments}}]})
+        sent = {"index": k, "delta": delta, "finish_reason": finish, "logprobs": content}
+        await self.emit(self.head | {"version": self.version, "choices": [sent]})
 
 
 def _choice(
@@ -290,6 +380,12 @@ def _choice(
         content = cut_at_stop(content, stops)
     message = ChatMessage(role="assistant", content=content, tool_calls=reply.tool_calls or None)
     return _Choice(done, message, "tool_calls" if reply.tool_calls else finish, stopped)
+
+
+def _tail(done: Completion, n: int) -> Completion:
+    """``done``'s tokens from the ``n``-th on."""
+    top = None if done.top is None else done.top[n:]
+    return Completion(done.ids[n:], done.logprobs[n:], done.versions[n:], done.finish, top)
 
 
 def _kept(done: Completion, n: int) -> Completion:
@@ -401,15 +497,6 @@ def _envelope(
                   "total_tokens": len(prompt) + generated},
         "version": max((v for c in done for v in c.versions), default=0),
     }  # fmt: skip
-
-
-def _stream(events: list[dict[str, Any]]) -> StreamingResponse:
-    async def body() -> AsyncIterator[bytes]:
-        for event in events:
-            yield b"data: " + msgspec.json.encode(event) + b"\n\n"
-        yield b"data: [DONE]\n\n"
-
-    return StreamingResponse(body(), media_type="text/event-stream")
 
 
 def _json(payload: Any) -> Response:

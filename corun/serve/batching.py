@@ -13,8 +13,12 @@ engine takes the next requests between its decode steps. For one that runs a cal
 a time (the transformers engine, the calculator policy: on a lane) the requests that
 arrive while a batch generates are gathered into the next batch instead — measured:
 128 requests of 32 agents in 21–22 calls this way, 32–40 smaller ones otherwise. A
-started generation is finished even when the request that asked for it goes away; a
-failure is the error of the requests of its group only.
+started generation is finished even when the request that asked for it goes away
+(only a streamed request's sink can stop its rows: its client left); one still queued
+is dropped; a failure is the error of the requests of its group only.
+
+A streamed request (``submit`` with a sink) gets its replies' tokens as they are
+sampled: a call's sink maps the call's rows back to each request's own replies.
 """
 
 from __future__ import annotations
@@ -27,6 +31,7 @@ from typing import Any
 import anyio
 from anyio.streams.memory import MemoryObjectReceiveStream
 
+from corun.contract.engine import Delta, TokenSink
 from corun.contract.policy import Completion, Sampling, ServedPolicy, ServeError
 
 
@@ -36,6 +41,8 @@ class _Request:
     sampling: Sampling
     seed: int | None
     n: int  # replies to the prompt, drawn together
+    sink: TokenSink | None = None  # streamed: its replies' tokens (reply index, delta)
+    gone: bool = False  # its caller left before it was answered
     done: anyio.Event = field(default_factory=anyio.Event)
     result: list[Completion] | None = None
     error: BaseException | None = None
@@ -54,13 +61,29 @@ class Batcher:
         self, prompt: list[int], sampling: Sampling, seed: int | None, n: int = 1
     ) -> list[Completion]:
         """``n`` replies to ``prompt``."""
-        request = _Request(prompt, sampling, seed, n)
+        return await self.result(self.submit(prompt, sampling, seed, n))
+
+    def submit(
+        self, prompt: list[int], sampling: Sampling, seed: int | None, n: int = 1,
+        sink: TokenSink | None = None,
+    ) -> _Request:  # fmt: skip
+        """Queue ``n`` replies to ``prompt`` (a 503 when the queue cannot take them);
+        with ``sink``, their tokens stream to it as they are sampled."""
+        request = _Request(prompt, sampling, seed, n, sink)
         try:
             self._send.send_nowait(request)
         except (anyio.WouldBlock, anyio.ClosedResourceError):
             message = "the endpoint is overloaded or stopping"
             raise ServeError(503, message, "server_error") from None
-        await request.done.wait()
+        return request
+
+    async def result(self, request: _Request) -> list[Completion]:
+        """A submitted request's replies; cancelled while it is still queued, it is
+        dropped."""
+        try:
+            await request.done.wait()
+        finally:
+            request.gone = True
         if request.error is not None:
             raise ServeError(500, f"generation failed: {request.error}", "server_error")
         assert request.result is not None
@@ -105,13 +128,24 @@ class Batcher:
                 rows += batch[-1].n
 
     async def _run_group(self, requests: list[_Request]) -> None:
+        for request in requests:
+            if request.gone:  # left while queued: not generated
+                request.error = RuntimeError("its caller left")
+                request.done.set()
+        requests = [r for r in requests if not r.gone]
+        if not requests:
+            return
         sampling, seed = requests[0].sampling, requests[0].seed
         try:  # nothing a request holds may end the batcher: its error is the request's
             if seed is None:
                 seed = int.from_bytes(os.urandom(7), "big")
             prompts = [r.prompt for r in requests for _ in range(r.n)]
+            sink = _call_sink(requests)
             with anyio.CancelScope(shield=True):  # a started generation is finished
-                results = await self.policy.generate(prompts, sampling, seed)
+                if sink is None:  # (a policy need not take a sink to serve whole replies)
+                    results = await self.policy.generate(prompts, sampling, seed)
+                else:
+                    results = await self.policy.generate(prompts, sampling, seed, sink)
             if len(results) != len(prompts):
                 raise RuntimeError(f"{len(results)} replies to {len(prompts)} prompts")
         except Exception as exc:
@@ -123,6 +157,20 @@ class Batcher:
         for request in requests:
             request.result, results = results[: request.n], results[request.n :]
             request.done.set()
+
+
+def _call_sink(requests: list[_Request]) -> TokenSink | None:
+    """One call's sink: its rows to the sinks of the requests they belong to (None when
+    no request streams)."""
+    if all(r.sink is None for r in requests):
+        return None
+    rows = [(r, k) for r in requests for k in range(r.n)]
+
+    def sink(row: int, delta: Delta) -> bool:
+        request, k = rows[row]
+        return True if request.sink is None else request.sink(k, delta)
+
+    return sink
 
 
 def _groups(batch: list[_Request]) -> list[list[_Request]]:

@@ -18,6 +18,7 @@ from typing import Literal
 
 import torch
 
+from corun.contract.engine import Generation, TokenSink, deliver
 from corun.contract.policy import (
     ChatMessage,
     Completion,
@@ -42,6 +43,7 @@ class CalculatorPolicy:
         self.max_len = max_len
         self.vocab_size = calculator.VOCAB_SIZE
         self.continuous_batching = False  # one blocking call at a time, on its lane
+        self.tool_call_marker = ""  # a whole reply "(a+b)" is a call: nothing to stream early
         self._engine = engine  # the calling thread's copy of the newest weights
         self._lane = lane
 
@@ -89,9 +91,14 @@ class CalculatorPolicy:
         return Reply(text)
 
     async def generate(
-        self, prompts: list[list[int]], sampling: Sampling, seed: int
-    ) -> list[Completion]:
-        return await self._lane.run(self._generate, prompts, sampling, seed)
+        self, prompts: list[list[int]], sampling: Sampling, seed: int,
+        sink: TokenSink | None = None,
+    ) -> list[Completion]:  # fmt: skip
+        """The replies; streamed whole, each to ``sink`` when its call returns."""
+        done = await self._lane.run(self._generate, prompts, sampling, seed)
+        if sink is not None:
+            deliver([Generation(c.ids, c.logprobs, c.versions, c.finish) for c in done], sink)
+        return done
 
     def _generate(
         self, prompts: list[list[int]], sampling: Sampling, seed: int
