@@ -53,6 +53,7 @@ SUITES = {  # name: the module (benchmarks/<module>.py) whose `suite` it is
     "tinker_models": "tinker_models",
     "memory": "memory",
     "longtail": "longtail",
+    "streaming": "streaming",
 }
 # Left out of `corun bench --quick` (every suite): each needs several model processes, an
 # engine server or a trained model, and takes this long on its quick grid alone (2 quiet

@@ -57,7 +57,9 @@ from corun.contract.engine import (
     ScoringEngine,
     ScoringRefused,
     SleepingEngine,
+    TokenSink,
     engine_metrics,
+    generate_streamed,
 )
 from corun.contract.user_calls import DeadlineError as DeadlineError
 from corun.contract.user_calls import deadline as deadline
@@ -101,6 +103,15 @@ class BoundedEngine:
     ) -> list[Generation]:
         with self._request("generate"):
             return await self._live().generate(prompts, sampling, seed)
+
+    async def generate_stream(
+        self, prompts: Sequence[Sequence[int]], sampling: Sampling, seed: int, sink: TokenSink
+    ) -> list[Generation]:
+        """``generate``, streamed to ``sink`` by an engine that streams (else each row at
+        the end: corun/contract/engine.py's ``generate_streamed``), under the same
+        deadline."""
+        with self._request("generate"):
+            return await generate_streamed(self._live(), prompts, sampling, seed, sink)
 
     async def score(
         self, prompts: Sequence[Sequence[int]], completions: Sequence[Sequence[int]]

@@ -7,8 +7,9 @@ its base URL alone.
 Chat requests take what OpenAI clients send: ``tools`` (replies parsed into
 ``tool_calls``), ``stop`` strings, ``n`` replies, ``seed``, ``max_tokens`` /
 ``max_completion_tokens``, ``logprobs`` / ``top_logprobs``, ``stream`` (server-sent
-events: the reply is generated first, then streamed — a content delta per token, tool
-calls as tool-call deltas — with ``stream_options.include_usage`` honoured);
+events as tokens are generated — content deltas, tool calls as tool-call deltas once
+the reply is complete, with ``stream_options.include_usage`` honoured; the hold-back
+rules and disconnects: streaming.py);
 ``tool_choice`` and ``parallel_tool_calls`` are accepted (``tool_choice: "none"``
 parses no tool calls). Responses carry the sampled ``token_ids``, their log-probs and
 the policy ``version``.

@@ -43,6 +43,9 @@ from corun.execution.handoff import Handoff
 from corun.serve.batching import Batcher
 
 Emit = Callable[[dict[str, Any]], Awaitable[None]]
+# Benchmark-only (benchmarks/streaming.py's baseline): generate the whole reply, then
+# send its chunks, a token each, as the endpoint did before it streamed.
+WHOLE_REPLY = False
 
 
 def releasable(
@@ -107,8 +110,10 @@ class TokenFeed:
     def __init__(self) -> None:
         self._handoff: Handoff[tuple[int, Delta]] = Handoff()
         self._ended: set[int] = set()
+        self.whole = WHOLE_REPLY
+        self.sink: Callable[[int, Delta], bool] | None = None if self.whole else self._sink
 
-    def sink(self, reply: int, delta: Delta) -> bool:
+    def _sink(self, reply: int, delta: Delta) -> bool:
         """On the engine's thread: hand ``delta`` over; False: not wanted any more."""
         return reply not in self._ended and self._handoff.put((reply, delta))
 
@@ -145,6 +150,11 @@ class TokenFeed:
             self._handoff.close()
         if failed:
             raise failed[0]
+        for reply, done in enumerate(outcome if self.whole else ()):  # the baseline's
+            for i in range(len(done.ids)):
+                top = None if done.top is None else done.top[i : i + 1]
+                await each(reply, Delta(done.ids[i : i + 1], done.logprobs[i : i + 1],
+                                        done.versions[i : i + 1], top))  # fmt: skip
         return outcome
 
 
