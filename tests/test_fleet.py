@@ -46,12 +46,12 @@ RUN = ["trainer.eval_size=512", "loop.lr_schedule=constant"]
 class Server:
     """``corun engine serve hf_grpo`` in a process of its own (SIGINT at its default)."""
 
-    def __init__(self, root: Path, port: int = 0) -> None:
+    def __init__(self, root: Path, port: int = 0, extra: tuple[str, ...] = ()) -> None:
         self.log = root / f"server-{time.monotonic_ns()}.out"
         with open(self.log, "w") as out:
             self.proc = subprocess.Popen(
                 [sys.executable, "-m", "corun", "engine", "serve", "hf_grpo", *BASE,
-                 f"run.dir={root / 'servers'}", f"serve.port={port}"],
+                 f"run.dir={root / 'servers'}", f"serve.port={port}", *extra],
                 cwd=root, env=ENV, stdout=out, stderr=subprocess.STDOUT,
                 preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
             )  # fmt: skip
@@ -327,3 +327,47 @@ async def test_a_fleet_scores_for_a_distillation_teacher(
     assert done.returncode == 0, done.stderr.decode()[-3000:]
     steps = [r for r in read_records(tmp_path / "run" / "metrics.jsonl") if "train/loss" in r]
     assert len(steps) == 2 and all("distill/reverse_kl" in r for r in steps)
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize("anyio_backend", ["asyncio"])
+async def test_in_flight_updates_need_every_member_to_take_them(
+    tmp_path: Path, anyio_backend: str
+) -> None:
+    """A fleet under ``inflight_at_sync = "interrupt"`` refuses a member that drains
+    (one line naming it and the setting); a member served with it says so in
+    ``/health``, and a generation through the fleet then spans an update in flight:
+    its tokens carry the versions before and after, in order."""
+    import anyio
+
+    from corun.contract.engine import EngineError, Sampling
+    from corun.engines.fleet import FleetEngine
+    from trainers.hf.policy import load_policy
+
+    in_flight = ("trainer.inflight_at_sync=interrupt", 'loop.version_schedule="free"')
+    drains, takes = Server(tmp_path), Server(tmp_path, extra=in_flight)
+    settings: dict[str, Any] = {"request_timeout_s": 60, "fleet_timeout_s": 10, "bucket_mb": 64}
+    try:
+        with anyio.fail_after(120):
+            with pytest.raises(EngineError, match=f"fleet member {drains.url} drains"):
+                await FleetEngine.connect([drains.url, takes.url], interrupt=True, **settings)
+            engine = await FleetEngine.connect([takes.url], interrupt=True, **settings)
+            assert engine.interrupts
+            weights = load_policy("tiny-llama", "the members' model")[0].weights()
+            await engine.update_weights(weights, 1)
+            made: list[Any] = []
+
+            async def generate() -> None:
+                made.extend(await engine.generate([[5, 6, 7]] * 16, Sampling(max_tokens=240), 0))
+
+            async with anyio.create_task_group() as group:
+                group.start_soon(generate)
+                await anyio.sleep(0.1)  # 240 steps of 16 rows on the local engine: seconds
+                await engine.update_weights(weights, 2)
+                assert not made, "the update waited for the generation (drained)"
+        for generation in made:
+            assert generation.versions == sorted(generation.versions)
+            assert set(generation.versions) == {1, 2}, generation.versions
+    finally:
+        drains.stop(signal.SIGKILL)
+        takes.stop(signal.SIGKILL)

@@ -403,9 +403,13 @@ BAD: dict[str, tuple[dict[str, Any], str]] = {
         {"engine": "local", "engine_options": {"kv_cache_gib": 2}},
         "`$.trainer.engine_options.kv_cache_gib`",
     ),
-    "interrupt with the vLLM server": (
-        {"engine": "vllm-server", "inflight_at_sync": "interrupt"},
-        "`$.trainer.inflight_at_sync`",
+    "kv_at_switch for a fleet (each member's own setting)": (
+        {
+            "engine": "remote",
+            "inflight_at_sync": "interrupt",
+            "engine_options": {"urls": ["http://127.0.0.1:9"], "kv_at_switch": "recompute"},
+        },
+        "`$.trainer.engine_options.kv_at_switch`",
     ),
     "kv_at_switch without interrupt": (
         {"engine": "vllm", "engine_options": {"kv_at_switch": "recompute"}},

@@ -88,6 +88,9 @@ class Health(msgspec.Struct, frozen=True):
     transfer: str = ""
     workers: int = 1
     dtype: str = ""
+    # Its engine takes full-weight updates in flight (its config's
+    # trainer.inflight_at_sync = "interrupt"): running generations are not drained.
+    interrupts: bool = False
 
 
 # vLLM's weight-transfer calls in their order (init once per trainer; start, update,

@@ -61,6 +61,7 @@ from corun.contract.fleet import (
 )
 from corun.engines.vllm_common import one_line
 from corun.engines.weight_transfer import DeviceTransfer, FleetSyncClient, address_towards
+from corun.execution.http import tls
 
 R = TypeVar("R")
 
@@ -90,8 +91,10 @@ class FleetEngine:
     def __init__(
         self, urls: Sequence[str], *, request_timeout_s: float, fleet_timeout_s: float,
         bucket_mb: int, token: str = "", device: torch.device | None = None,
+        interrupt: bool = False,
     ) -> None:  # fmt: skip
         self.members = [Member(url.rstrip("/")) for url in urls]
+        self.interrupt = interrupt  # every member must take updates in flight
         self.device = device or torch.device("cpu")  # the trainer's
         self.request_timeout_s = request_timeout_s
         self.fleet_timeout_s = fleet_timeout_s
@@ -116,7 +119,16 @@ class FleetEngine:
                 member.version = member.health.version
             except _Failed as exc:
                 raise EngineError(f"fleet member {member.url} does not answer: {exc}") from None
+            if fleet.interrupt and not member.health.interrupts:
+                raise EngineError(fleet._drains(member))
         return fleet
+
+    def _drains(self, member: Member) -> str:
+        return (
+            f"fleet member {member.url} drains its weight updates, and inflight_at_sync = "
+            f'"interrupt" needs every member to take them in flight: serve it with a config '
+            f'that sets trainer.inflight_at_sync = "interrupt"'
+        )
 
     @property
     def version(self) -> int:
@@ -124,7 +136,9 @@ class FleetEngine:
 
     @property
     def interrupts(self) -> bool:
-        return False
+        """Whether the members take full-weight updates in flight (then each member's
+        generations carry the versions its engine stamped on their tokens)."""
+        return self.interrupt
 
     async def generate(
         self, prompts: Sequence[Sequence[int]], sampling: Sampling, seed: int
@@ -362,6 +376,9 @@ class FleetEngine:
                 member.health = await self._call(member, "GET", "/health", Health, timeout_s=2.0)
             except _Failed:
                 continue
+            if self.interrupt and not member.health.interrupts:
+                log.warning("fleet: %s answers but stays out: %s", member.url, self._drains(member))
+                continue
             await self._close_link(member)  # a restarted member opens a new group
             member.live, member.version = True, -1
             self.counts["rejoined"] += 1
@@ -380,7 +397,7 @@ class FleetEngine:
         content = body if isinstance(body, bytes) or body is None else msgspec.json.encode(body)
         timeout = timeout_s or self.request_timeout_s
         try:
-            async with httpx.AsyncClient(timeout=timeout) as client:
+            async with httpx.AsyncClient(timeout=timeout, verify=tls()) as client:
                 response = await client.request(
                     method, member.url + path, content=content, headers=self.headers
                 )

@@ -77,12 +77,6 @@ def check_engine(
                 f"`$.{where}.{name}`: the {kind!r} engine has no such option (it applies to "
                 f"{takers})"
             )
-    if interrupt and kind not in INTERRUPTS:
-        raise ConfigError(
-            f'`$.trainer.inflight_at_sync` = "interrupt": the {kind!r} engine cannot switch '
-            'weights under a running request (it drains them); use "drain", or engine = '
-            + " or ".join(f'"{k}"' for k in INTERRUPTS)
-        )
     if options.kv_at_switch != "keep" and not interrupt:
         raise ConfigError(
             f'`$.{where}.kv_at_switch` = "{options.kv_at_switch}": applies to in-flight '
@@ -140,7 +134,6 @@ async def start_engine(
     return bounded
 
 
-INTERRUPTS = ("local", "vllm")  # the engines that switch weights under a running request
 _VLLM = tuple(name for name in EngineOptions.__struct_fields__ if name not in FLEET)
 _SERVER = tuple(name for name in _VLLM if name != "colocate")
 _TAKES: dict[str, tuple[str, ...]] = {
@@ -214,6 +207,7 @@ async def _start(
             options.urls, request_timeout_s=options.request_timeout_s,
             fleet_timeout_s=ctx.config.rollout.fleet_timeout_s, bucket_mb=options.bucket_mb,
             token=secret(options.token, f"{WHERE}.token"), device=ctx.device,
+            interrupt=interrupt,
         )  # fmt: skip
     transfer = backend_for(options.devices, ctx.device) if kind == "vllm-server" else None
     if kind == "vllm" and ctx.config.serve.fleet and ctx.device.type == "cuda":

@@ -18,6 +18,17 @@ written to a safetensors file, then ``/pause?mode=wait``, ``/collective_rpc`` of
 ``corun_reload`` (vllm_worker.WeightSync), ``/reset_prefix_cache``, ``/resume``; the
 weights fingerprint is ``/collective_rpc`` of ``corun_fingerprint``.
 
+In flight (``interrupt``: ``trainer.inflight_at_sync = "interrupt"``) the update does
+not drain: ``/pause?mode=keep&clear_cache=false`` freezes the running requests between
+two steps, the reload tells the worker the new version, which notes how many tokens
+each started request had (token_versions.py), ``kv_at_switch = "recompute"`` then
+preempts them (``/reset_prefix_cache?reset_running_requests=true``), and ``/resume``.
+A generation names its requests (``request_id``) and, once they end, asks the worker
+for their records (``corun_versions``): each token's version. With ``"keep"`` the
+server keeps vLLM's prefix caching (unlike the in-process engine): with it off, vLLM
+0.32's ``pause(keep)`` waited for the running requests, a drain (measured, 3 runs of
+3); so a new request may reuse prompt KV from older weights, as a running one does.
+
 Adapters (``lora_rank`` set; vllm_common.AdapterVersions): the server is started with
 LoRA support and ``VLLM_ALLOW_RUNTIME_LORA_UPDATING``; ``update_adapter`` writes the
 adapter into the engine's working directory and loads it with
@@ -30,16 +41,18 @@ adapter as vLLM's worker loaded it (vllm_worker.py).
 Every HTTP call has a deadline (``request_timeout_s``) and runs beside a watch on the
 child: a server that exits mid-call is an :class:`EngineError` within ~0.2 s, one line
 with its exit status and last log line, and the engine is dead from then on. An HTTP
-client is opened per call (a few hundred µs on localhost), so the engine holds no
-connection between calls and serves whichever event loop calls it. ``shutdown`` returns
-once no process of the server's group is left (bounded). Options corun sets itself
-(``--port``, ``--seed``, ...) are refused, naming ``$.trainer.engine_options.options.<key>``.
+client is opened per call (a few hundred µs on localhost, with the process's one TLS
+context: corun/execution/http.py), so the engine holds no connection between calls
+and serves whichever event loop calls it. ``shutdown`` returns once no process of the
+server's group is left (bounded). Options corun sets itself (``--port``, ``--seed``,
+...) are refused, naming ``$.trainer.engine_options.options.<key>``.
 Tests: tests/test_vllm_server.py.
 """
 
 from __future__ import annotations
 
 import os
+import secrets
 import shutil
 import subprocess
 import sys
@@ -59,6 +72,7 @@ from corun.contract.engine import Adapter, EngineError, Finish, Generation, Samp
 from corun.contract.fleet import pack
 from corun.engines.lora import require_lora
 from corun.engines.options import OPTIONS, VLLMConfig, engine_dtype
+from corun.engines.token_versions import token_versions
 from corun.engines.vllm_common import (
     AdapterVersions,
     DrainingEngine,
@@ -75,6 +89,7 @@ from corun.engines.vllm_common import (
 )
 from corun.engines.weight_transfer import DeviceTransfer, server_env, server_flags
 from corun.execution import procs
+from corun.execution.http import tls
 from corun.execution.procs import ChildProcess, free_port
 
 T = TypeVar("T")
@@ -109,6 +124,8 @@ class VLLMServerEngine(DrainingEngine):
         engine = cls(child, f"http://127.0.0.1:{port}", config, workdir)
         try:
             await engine._wait_healthy()
+            if config.interrupt:
+                await engine._rpc("corun_track_versions", engine._version)
             await engine.generate([[0]], Sampling(max_tokens=1), 0)
             if config.weight_transfer is not None:
                 transfer = DeviceTransfer(
@@ -130,6 +147,11 @@ class VLLMServerEngine(DrainingEngine):
         """The server's pid, which is also its process group's id."""
         return self._child.pid
 
+    @property
+    def interrupts(self) -> bool:
+        """Full-weight updates go in flight (``VLLMConfig.interrupt``): see update_weights."""
+        return self._config.interrupt
+
     async def generate(
         self, prompts: Sequence[Sequence[int]], sampling: Sampling, seed: int
     ) -> list[Generation]:
@@ -145,18 +167,20 @@ class VLLMServerEngine(DrainingEngine):
     ) -> list[Generation]:  # fmt: skip
         """One call's completions, a request per prompt naming ``adapter`` (if any) as
         its model."""
-        # No weight update runs while a generation is admitted; an adapter update
-        # changes the version only for generations admitted after it.
+        # Draining, no weight update runs while a generation is admitted (an adapter
+        # update changes the version only for generations admitted after it); in
+        # flight, the worker's record says which version made each token.
         version = self._version
         model = MODEL_NAME if adapter is None else adapter.name
         results: list[dict[str, Any]] = [{} for _ in prompts]
+        call = f"corun-{secrets.token_hex(8)}"  # the requests' ids: f"{call}-{i}"
 
         async def complete_all(client: httpx.AsyncClient) -> None:
             async def complete(i: int, prompt: list[int]) -> None:
                 body = {
                     "model": model, "prompt": prompt, "return_token_ids": True,
-                    "skip_special_tokens": False, **sampling_fields(sampling, seed, i),
-                    **_top_fields(sampling),
+                    "skip_special_tokens": False, "request_id": f"{call}-{i}",
+                    **sampling_fields(sampling, seed, i), **_top_fields(sampling),
                 }  # fmt: skip
                 results[i] = (await self._post(client, "/v1/completions", json=body))["choices"][0]
 
@@ -165,40 +189,78 @@ class VLLMServerEngine(DrainingEngine):
                     tasks.start_soon(complete, i, [int(t) for t in prompt])
 
         await self._call(complete_all)
-        return [_generation(choice, version, sampling) for choice in results]
+        made = [_generation(choice, version, sampling) for choice in results]
+        if self._config.interrupt and adapter is None:  # adapters never switch in flight
+            await self._stamp_versions(call, made)
+        return made
+
+    async def _stamp_versions(self, call: str, made: list[Generation]) -> None:
+        """Each token's version, from the worker's record of the call's requests (vLLM's
+        server names a completion request ``cmpl-<id>-<prompt>-<suffix>``)."""
+        prefixes = [f"cmpl-{call}-{i}-0-" for i in range(len(made))]
+        records = await self._rpc("corun_versions", prefixes)
+        for generation, record, prefix in zip(made, records, prefixes, strict=True):
+            if record is None:
+                self._dead = f"the worker kept no version record of request {prefix}*"
+                raise EngineError(f"vLLM server: {self._dead}")
+            start, switches = record
+            generation.versions = token_versions(
+                (int(start), [(int(n), int(v)) for n, v in switches]), len(generation.ids)
+            )
 
     async def update_weights(self, state: Mapping[str, Tensor], version: int) -> None:
+        """Reload every weight as ``version``. Draining: new generations wait, running
+        ones finish (``/pause?mode=wait``), then the weights load and the prefix cache
+        is dropped. In flight (``interrupt``): ``/pause?mode=keep`` freezes the running
+        requests between two decode steps, the weights load (the worker notes each
+        running request's tokens so far), and with ``kv_at_switch = "recompute"`` the
+        running requests are preempted to recompute their KV under the new weights;
+        ``/resume`` lets them go on."""
         self._check()
-        await self._admission.pause()
+        draining = not self._config.interrupt
+        if draining:
+            await self._admission.pause()
         try:
             self._check()
-            path = self._workdir / "weights.safetensors"
-            transfer = self._transfer
-            if transfer is None:
-                await anyio.to_thread.run_sync(_save, dict(state), path)
-
-            async def reload(client: httpx.AsyncClient) -> None:
-                await self._post(client, "/pause", params={"mode": "wait"})
-                try:
-                    if transfer is not None:  # device to device (weight_transfer.py)
-                        await anyio.to_thread.run_sync(transfer.send, dict(state))
-                    else:
-                        rpc = {"method": "corun_reload", "args": [str(path)]}
-                        await self._post(client, "/collective_rpc", json=rpc)
-                except (EngineError, RuntimeError, OSError) as exc:  # half-loaded: unusable
-                    detail = str(exc).removeprefix("vLLM server: ")
-                    log = self._workdir / "server.log"
-                    self._dead = (
-                        f"weight reload for version {version} failed ({detail}; log: {log})"
-                    )
-                    raise EngineError(f"vLLM server {self._dead}") from None
-                await self._post(client, "/reset_prefix_cache")
-                await self._post(client, "/resume")
-
-            await self._call(reload)
+            await self._reload(dict(state), version)
             self._version = version
         finally:
-            self._admission.resume()
+            if draining:
+                self._admission.resume()
+
+    async def _reload(self, state: dict[str, Tensor], version: int) -> None:
+        path = self._workdir / "weights.safetensors"
+        transfer = self._transfer
+        if transfer is None:
+            await anyio.to_thread.run_sync(_save, state, path)
+        # In flight, the pause keeps the caches (its default clears them, which preempts
+        # the running requests: a recompute whatever kv_at_switch says).
+        pause = (
+            {"mode": "keep", "clear_cache": "false"} if self._config.interrupt else {"mode": "wait"}
+        )
+        reset = {"reset_running_requests": "true"} if self._config.interrupt else {}
+
+        async def reload(client: httpx.AsyncClient) -> None:
+            await self._post(client, "/pause", params=pause)
+            try:
+                if transfer is not None:  # device to device (weight_transfer.py)
+                    await anyio.to_thread.run_sync(transfer.send, state)
+                else:
+                    rpc = {"method": "corun_reload", "args": [str(path), version]}
+                    await self._post(client, "/collective_rpc", json=rpc)
+            except (EngineError, RuntimeError, OSError) as exc:  # half-loaded: unusable
+                detail = str(exc).removeprefix("vLLM server: ")
+                log = self._workdir / "server.log"
+                self._dead = f"weight reload for version {version} failed ({detail}; log: {log})"
+                raise EngineError(f"vLLM server {self._dead}") from None
+            if not (self._config.interrupt and self._config.kv_at_switch == "keep"):
+                answer = await self._post(client, "/reset_prefix_cache", params=reset)
+                if not (answer or {}).get("success", True):
+                    self._dead = "vLLM kept its prefix cache after a weight reload"
+                    raise EngineError(f"vLLM server: {self._dead}")
+            await self._post(client, "/resume")
+
+        await self._call(reload)
 
     async def update_adapter(self, adapter: Adapter, version: int) -> None:
         """Load ``adapter`` into the server as policy ``version`` (without draining:
@@ -241,17 +303,13 @@ class VLLMServerEngine(DrainingEngine):
         newest = self._adapters.newest
         args = [] if newest is None else [str(newest.path)]
 
-        async def ask(client: httpx.AsyncClient) -> str:
-            rpc = {"method": "corun_fingerprint", "args": args}
-            return str((await self._post(client, "/collective_rpc", json=rpc))["results"][0])
-
-        return await self._call(ask)
+        return str(await self._rpc("corun_fingerprint", *args))
 
     async def health(self) -> bool:
         if self._dead is not None or self._child.popen.poll() is not None:
             return False
         try:
-            async with httpx.AsyncClient(base_url=self._url, timeout=5.0) as client:
+            async with httpx.AsyncClient(base_url=self._url, timeout=5.0, verify=tls()) as client:
                 return (await client.get("/health")).status_code == 200
         except httpx.HTTPError:
             return False
@@ -279,6 +337,15 @@ class VLLMServerEngine(DrainingEngine):
 
     # -- internals -------------------------------------------------------------------
 
+    async def _rpc(self, method: str, *args: Any) -> Any:
+        """One worker's answer to ``/collective_rpc`` of ``method`` (vllm_worker.WeightSync)."""
+
+        async def ask(client: httpx.AsyncClient) -> Any:
+            rpc = {"method": method, "args": list(args)}
+            return (await self._post(client, "/collective_rpc", json=rpc))["results"][0]
+
+        return await self._call(ask)
+
     def _check(self) -> None:
         if self._dead is not None:
             raise EngineError(f"vLLM server unusable: {self._dead}")
@@ -288,7 +355,7 @@ class VLLMServerEngine(DrainingEngine):
         first ends the other. Raises EngineError if the child exited."""
         outcome: list[Any] = []
         async with httpx.AsyncClient(
-            base_url=self._url, timeout=self._config.request_timeout_s,
+            base_url=self._url, timeout=self._config.request_timeout_s, verify=tls(),
             limits=httpx.Limits(max_connections=None, max_keepalive_connections=32),
         ) as client, anyio.create_task_group() as tasks:  # fmt: skip
 
@@ -334,7 +401,7 @@ class VLLMServerEngine(DrainingEngine):
 
     async def _wait_healthy(self) -> None:
         deadline = time.monotonic() + self._config.start_timeout_s
-        async with httpx.AsyncClient(base_url=self._url, timeout=2.0) as client:
+        async with httpx.AsyncClient(base_url=self._url, timeout=2.0, verify=tls()) as client:
             while time.monotonic() < deadline:
                 if self._child.popen.poll() is not None:
                     raise start_error(self._log_text(), self._config) or self._exited()

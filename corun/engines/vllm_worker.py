@@ -74,6 +74,7 @@ import torch
 from vllm.v1.sample.logits_processor import BatchUpdate, LogitsProcessor, MoveDirectionality
 
 from corun.engines.fingerprint import bits_sum, format_fingerprint
+from corun.engines.token_versions import VersionRecord
 from corun.engines.vllm_common import NUCLEUS, OFFSET
 
 
@@ -271,13 +272,52 @@ def reload_state(worker: Any, state: dict[str, torch.Tensor]) -> None:
 class WeightSync:
     """Worker methods the server exposes through ``/collective_rpc`` (dev mode)."""
 
-    def corun_reload(self, path: str) -> int:
-        """Load the safetensors file at ``path``; returns the number of tensors."""
+    model_runner: Any
+    _corun_versions: VersionRecord | None = None
+
+    def corun_reload(self, path: str, version: int | None = None) -> int:
+        """Load the safetensors file at ``path`` as ``version``; returns the number of
+        tensors. Under in-flight updates (:meth:`corun_track_versions`) the requests
+        started and unfinished keep, in the record, how many tokens they had before."""
         from safetensors.torch import load_file
 
         state = load_file(path)
         reload_state(self, state)
+        record = self._corun_versions
+        if record is not None and version is not None:
+            # model_runner.requests: every started request until it finishes, a
+            # preempted one included; under pause(mode="keep") no step runs now.
+            running = self.model_runner.requests.items()
+            record.switched({rid: len(r.output_token_ids) for rid, r in running}, version)
         return len(state)
+
+    def corun_track_versions(self, version: int) -> None:
+        """Keep each request's versions from now on (token_versions.py): wraps this
+        worker's ``execute_model`` to note the requests it schedules for the first time.
+        Idempotent."""
+        if self._corun_versions is not None:
+            return
+        record = self._corun_versions = VersionRecord(version)
+        execute = cast(Any, self).execute_model  # the worker's, this class mixed into it
+
+        @wraps(execute)
+        def noting(scheduler_output: Any, *args: Any, **kwargs: Any) -> Any:
+            record.scheduled(new.req_id for new in scheduler_output.scheduled_new_reqs)
+            return execute(scheduler_output, *args, **kwargs)
+
+        self.execute_model = noting  # the executor looks it up on the worker per step
+
+    def corun_versions(self, prefixes: list[str]) -> list[Any]:
+        """The version records of the finished requests with these id prefixes, taken
+        (None where none is kept)."""
+        if self._corun_versions is None:
+            return [None] * len(prefixes)
+        return list(self._corun_versions.take(prefixes))
+
+    def corun_generated(self) -> dict[str, int]:
+        """The tokens each started, unfinished request has so far (for tests and
+        diagnostics: what an update would find)."""
+        return {rid: len(r.output_token_ids) for rid, r in self.model_runner.requests.items()}
 
     def corun_fingerprint(self, adapter_dir: str | None = None) -> str:
         """The fingerprint of the weights this worker serves, with the adapter loaded

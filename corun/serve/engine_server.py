@@ -5,7 +5,9 @@ latest checkpoint when there is one, and its rollout engine — ``trainer.engine
 their bodies are corun/contract/fleet.py's; the trainer's side is corun/engines/fleet.py.
 
 Weights arrive in buckets, staged per version, and load at the commit through the
-engine's own ``update_weights`` (which drains running generations first); a commit
+engine's own ``update_weights`` (which drains running generations first, or, where the
+config sets ``trainer.inflight_at_sync = "interrupt"``, loads them in flight: its
+``/health`` says ``interrupts``); a commit
 whose buckets are incomplete is refused (409) and nothing loads. A new version's first
 bucket drops what an unfinished earlier one staged (its sender died mid-sync). Every
 refusal is a 4xx with ``{"error": ...}``; the server goes on serving.
@@ -99,8 +101,10 @@ class EngineServer(HTTPService):
         engine = self.engine
         target = engine.transfer_target() if isinstance(engine, TransferEngine) else None
         if target is None:
-            return Health(engine.version)
-        return Health(engine.version, target.backend, target.workers, target.dtype)
+            return Health(engine.version, interrupts=engine.interrupts)
+        return Health(
+            engine.version, target.backend, target.workers, target.dtype, engine.interrupts
+        )
 
     async def generate(self, request: Request) -> GenerateReply:
         asked = await _decode(request, GenerateRequest)

@@ -7,7 +7,8 @@ trainer's recomputation under that version's weights (:func:`mismatch_by_version
 from __future__ import annotations
 
 import copy
-from collections.abc import Callable
+import dataclasses
+from collections.abc import Awaitable, Callable
 
 import anyio
 import torch
@@ -21,33 +22,47 @@ LONG = Sampling(max_tokens=160)  # temperature 1, no stop: every row runs to the
 STEP_TOKENS = 24  # the tokens each row has generated before the next update
 
 
+class MissedTiming(AssertionError):
+    """The generation did not span the updates (it ended first, or an update waited for
+    it): a timing the test could not arrange, not a wrong token."""
+
+
 async def generate_across_syncs(
-    engine: Engine, policy: HFPolicy, chat: ChatFormat, progress: Callable[[], int],
-    syncs: int = 2,
+    engine: Engine, policy: HFPolicy, chat: ChatFormat,
+    progress: Callable[[], Awaitable[int]],
+    syncs: int = 2, count: int = 4, step_tokens: int = STEP_TOKENS,
+    max_tokens: int = LONG.max_tokens, poll_s: float = 0.005,
+    before_update: Callable[[], Awaitable[None]] | None = None,
 ) -> tuple[list[list[int]], list[Generation], list[HFPolicy]]:  # fmt: skip
-    """Prompts, their generations, and the policy of each version 0..``syncs``: an update
-    each time every row has ``STEP_TOKENS`` more tokens (``progress``: the fewest tokens
-    a running row has so far), while the generation runs."""
-    rows = prompts(chat, 4)
+    """``count`` prompts, their generations, and the policy of each version 0..``syncs``:
+    an update each time every row has ``step_tokens`` more tokens (``progress``: the
+    fewest tokens a running row has so far), while the generation runs
+    (``before_update``, if given, runs just before each)."""
+    rows = prompts(chat, count)
     await engine.update_weights(policy.weights(), 0)
     policies = [copy.deepcopy(policy)]
     got: list[Generation] = []
     done = anyio.Event()
 
     async def generate() -> None:
-        got.extend(await engine.generate(rows, LONG, seed=3))
+        sampling = dataclasses.replace(LONG, max_tokens=max_tokens)
+        got.extend(await engine.generate(rows, sampling, seed=3))
         done.set()
 
     async with anyio.create_task_group() as group:
         group.start_soon(generate)
         for version in range(1, syncs + 1):
-            while progress() < STEP_TOKENS * version:
-                assert not done.is_set(), "the generation ended before the updates"
-                await anyio.sleep(0.005)
+            while await progress() < step_tokens * version:
+                if done.is_set():
+                    raise MissedTiming("the generation ended before the updates")
+                await anyio.sleep(poll_s)
+            if before_update is not None:
+                await before_update()
             perturb(policy, seed=version)
             await engine.update_weights(policy.weights(), version)
             assert engine.version == version
-            assert not done.is_set(), f"update {version} waited for the generation (drained)"
+            if done.is_set():
+                raise MissedTiming(f"update {version} waited for the generation (drained)")
             policies.append(copy.deepcopy(policy))
     return rows, got, policies
 
