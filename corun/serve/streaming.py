@@ -144,7 +144,7 @@ class TokenFeed:
             async with anyio.create_task_group() as tasks:
                 tasks.start_soon(wait)
                 while items := await self._handoff.take():
-                    for reply, delta in items:
+                    for reply, delta in _joined(items):
                         await each(reply, delta)
         finally:
             self._handoff.close()
@@ -156,6 +156,27 @@ class TokenFeed:
                 await each(reply, Delta(done.ids[i : i + 1], done.logprobs[i : i + 1],
                                         done.versions[i : i + 1], top))  # fmt: skip
         return outcome
+
+
+def _joined(items: Sequence[tuple[int, Delta]]) -> list[tuple[int, Delta]]:
+    """The deltas taken together, one per reply (in the order replies first came): when
+    the loop falls behind the engine, it sends fewer, larger chunks instead of
+    falling further behind (a chunk and a decode of the reply per token)."""
+    parts: dict[int, list[Delta]] = {}
+    for reply, delta in items:
+        parts.setdefault(reply, []).append(delta)
+    return [(reply, _join(deltas)) for reply, deltas in parts.items()]
+
+
+def _join(deltas: list[Delta]) -> Delta:
+    if len(deltas) == 1:
+        return deltas[0]
+    tops = [d.top for d in deltas]
+    return Delta(
+        [i for d in deltas for i in d.ids], [x for d in deltas for x in d.logprobs],
+        [v for d in deltas for v in d.versions],
+        None if any(t is None for t in tops) else [step for t in tops if t for step in t],
+    )  # fmt: skip
 
 
 class _Left(Exception):
