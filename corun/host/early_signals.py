@@ -26,8 +26,14 @@ def exit_on_signals() -> None:
 def dump_stacks_on_sigusr1() -> None:
     """``kill -USR1 <pid>``: every thread's Python stack on stderr, the process going on
     (the post-mortem of a run that hangs: which collective, which lock)."""
-    if hasattr(signal, "SIGUSR1"):
+    if not hasattr(signal, "SIGUSR1"):
+        return
+    try:
         faulthandler.register(signal.SIGUSR1, all_threads=True)
+    except (ValueError, OSError, AttributeError):
+        # stderr is no file (captured: an embedding host, a test) or this is not the
+        # main thread: no dump, nothing else changes.
+        pass
 
 
 def _exit_before_run(signum: int, frame: object) -> None:
