@@ -164,7 +164,13 @@ async def test_a_trainer_on_cuda_syncs_an_nccl_member_through_vllms_steps(
     (link,) = fake_links
     assert link.dtype == torch.bfloat16 and link.workers == 2 and link.closed
     assert link.address == "127.0.0.1"  # this machine, as the member's route reaches it
-    assert health == {"version": 2, "transfer": "nccl", "workers": 2, "dtype": "bfloat16"}
+    assert health == {
+        "version": 2,
+        "transfer": "nccl",
+        "workers": 2,
+        "dtype": "bfloat16",
+        "interrupts": False,
+    }
     assert fleet.sync_bytes == 11 * 2 + len(_packed())  # bf16 over NCCL, a bucket over HTTP
 
 
@@ -215,7 +221,7 @@ async def test_the_transfer_routes_refuse_what_they_cannot_do() -> None:
             unknown = await http.post(nccl + "/weight_transfer/reset_weights")
             bad = await http.post(nccl + "/weight_transfer/update_weights", content=b"{no")
             ok = await http.post(nccl + "/weight_transfer/start_weight_update")
-    assert health == {"version": 0, "transfer": "", "workers": 1, "dtype": ""}
+    assert health == {"version": 0, "transfer": "", "workers": 1, "dtype": "", "interrupts": False}
     assert refused.status_code == 409 and "buckets only" in refused.json()["error"]
     assert unknown.status_code == 404 and "reset_weights" in unknown.json()["error"]
     assert bad.status_code == 400 and "error" in bad.json()
