@@ -13,16 +13,26 @@ The client is a standard-style streaming client (as ``vllm bench serve``'s
 openai-chat backend measures): ``requests`` streamed chat requests, ``concurrency`` at a
 time, TTFT from sending to the first content delta, ITL the gaps between content
 deltas; p50 and p99. It runs in the endpoint's process (its event loop), so its own
-work adds to both sides equally. Nothing is asserted about timings.
+work adds to both sides equally.
+
+The full grid adds the headline: ``corun serve hf_agentic`` (the SFT-trained agent,
+``trainer.engine`` local and vllm) in a process of its own, before and after, driven by
+vLLM's own serving-benchmark client (``vllm bench serve``, benchmarks/vllm_client.py)
+in another: 200 streamed chat requests of 32 random prompt tokens, 32 at a time, each
+reply run to its length (``ignore_eos``), short and long. Nothing is asserted about
+timings.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import subprocess
+import sys
+import tempfile
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import anyio
@@ -30,7 +40,9 @@ import httpx
 
 from benchmarks.endpoint_hf import MODEL, percentile, served
 from benchmarks.report import Note, Table, fmt
+from benchmarks.serve_child import serving
 from corun.serve import streaming
+from trainers.hf.tiny import BUILT_IN_DIR
 
 
 @dataclass(frozen=True)
@@ -46,6 +58,11 @@ GRIDS = {
     "quick": Settings(("local",), 24, 8, (8, 48)),
     "tiny": Settings(("local",), 8, 4, (4, 16)),
 }
+HEADLINE = Settings(("local", "vllm"), 200, 32, (16, 128))  # the full grid's
+RECIPE = "hf_agentic"
+PROMPT_TOKENS = 32
+WHOLE_PRELUDE = "import corun.serve.streaming as s\ns.WHOLE_REPLY = True"
+CLIENT_S = 600.0
 
 
 @dataclass
@@ -139,6 +156,95 @@ def table(settings: Settings, rows: list[Row]) -> Table:
     )  # fmt: skip
 
 
+# ----------------------------------------------------------------------------- the headline
+
+
+@dataclass
+class Served:
+    """One ``vllm bench serve`` run's figures (its saved result's keys)."""
+
+    engine: str
+    tokens: int
+    mode: str
+    result: dict[str, float]
+
+
+def bench_serve(
+    url: str, folder: Path, tokens: int, settings: Settings, name: str
+) -> dict[str, float]:
+    """vLLM's client against ``url``: its saved result's figures, and the time to the
+    first content (p50, p99)."""
+    command = [
+        sys.executable, "-m", "benchmarks.vllm_client", "--backend", "openai-chat",
+        "--base-url", url, "--endpoint", "/v1/chat/completions", "--model", RECIPE,
+        "--tokenizer", str(folder / BUILT_IN_DIR), "--dataset-name", "random",
+        "--random-input-len", str(PROMPT_TOKENS), "--random-output-len", str(tokens),
+        "--num-prompts", str(settings.requests), "--max-concurrency",
+        str(settings.concurrency), "--ignore-eos", "--disable-tqdm",
+        "--percentile-metrics", "ttft,itl,e2el", "--metric-percentiles", "50,99",
+        "--save-result", "--save-detailed", "--result-dir", str(folder),
+        "--result-filename", f"{name}.json",
+    ]  # fmt: skip
+    done = subprocess.run(command, capture_output=True, text=True, timeout=CLIENT_S)
+    if done.returncode:
+        raise RuntimeError(f"vllm bench serve failed ({done.returncode}):\n{done.stderr[-2000:]}")
+    result = json.loads((folder / f"{name}.json").read_text())
+    # vLLM's client times its first chunk, the role's (sent at once); the first content
+    # comes with the next chunk.
+    pairs = zip(result["ttfts"], result["itls"], strict=True)
+    firsts = [ttft + (gaps[0] if gaps else 0.0) for ttft, gaps in pairs]
+    result["p50_content_ms"] = 1000 * percentile(firsts, 50)
+    result["p99_content_ms"] = 1000 * percentile(firsts, 99)
+    return {k: v for k, v in result.items() if isinstance(v, int | float)}
+
+
+def headline(settings: Settings, scratch: Path, note: Note) -> list[Served]:
+    """Each engine before and after, each reply length (see the module's docstring).
+    The servers share one working directory, so the SFT warm start is trained once."""
+    scratch.mkdir(parents=True, exist_ok=True)
+    done = []
+    for engine in settings.engines:
+        for mode in ("whole", "stream"):
+            prelude = WHOLE_PRELUDE if mode == "whole" else ""
+            folder = scratch / f"{engine}-{mode}"
+            folder.mkdir(exist_ok=True)
+            overrides = [f"trainer.engine={engine}"]
+            with serving(folder, RECIPE, overrides, prelude, cwd=scratch) as server:
+                note(f"corun serve {RECIPE} ({engine}, {mode}): {server.url()}")
+                for tokens in settings.lengths:
+                    result = bench_serve(server.url(), scratch, tokens, settings,
+                                         f"{engine}-{mode}-{tokens}")  # fmt: skip
+                    if result.get("failed"):
+                        raise RuntimeError(f"{result['failed']} requests failed ({engine})")
+                    done.append(Served(engine, tokens, mode, result))
+    return done
+
+
+def headline_table(settings: Settings, served_runs: list[Served]) -> Table:
+    before = {(r.engine, r.tokens): r.result for r in served_runs if r.mode == "whole"}
+    body, ratios = [], []
+    for run in (r for r in served_runs if r.mode == "stream"):
+        old, new = before[run.engine, run.tokens], run.result
+        body.append([run.engine, str(run.tokens)] + [
+            fmt(figures[key], 2) for key in ("p50_ttft_ms", "p50_content_ms", "p99_content_ms",
+                                             "p50_itl_ms", "p99_itl_ms", "output_throughput")
+            for figures in (old, new)
+        ] + [f"{new['p50_content_ms'] / max(old['p50_content_ms'], 1e-9):.2f}"])  # fmt: skip
+        ratios.append((f"{run.engine}, {run.tokens} tokens",
+                       new["p50_content_ms"] / max(old["p50_content_ms"], 1e-9)))  # fmt: skip
+    return Table(
+        "streaming", "vllm_bench_serve",
+        f"`corun serve {RECIPE}` under `vllm bench serve` ({settings.requests} streamed chat "
+        f"requests, {PROMPT_TOKENS} prompt tokens, concurrency {settings.concurrency}, "
+        "ignore_eos): before (whole reply, then its chunks) and after",
+        ["engine", "reply tokens", "TTFT p50 ms (vLLM's: first chunk) before", "after",
+         "first content p50 ms before", "after", "first content p99 before", "after",
+         "ITL p50 ms before", "after", "ITL p99 before", "after", "output tok/s before",
+         "after", "first content p50 after/before"],
+        body, ratios, "first content p50 of the whole reply then its chunks, same engine, same run",
+    )  # fmt: skip
+
+
 async def measure(settings: Settings, note: Note) -> list[Row]:
     rows: list[Row] = []
     for engine in settings.engines:
@@ -149,18 +255,34 @@ async def measure(settings: Settings, note: Note) -> list[Row]:
 def suite(grid: str, scratch: Path, note: Note) -> list[Table]:
     """``corun bench streaming``: TTFT and ITL before and after streaming."""
     settings = GRIDS[grid]
-    return [table(settings, anyio.run(measure, settings, note))]
+    tables = [table(settings, anyio.run(measure, settings, note))]
+    if grid == "full":
+        tables.append(headline_table(HEADLINE, headline(HEADLINE, scratch / "serve", note)))
+    return tables
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="local only, small")
+    parser.add_argument(
+        "--headline",
+        action="store_true",
+        help="only corun serve under vllm bench serve (full grid's)",
+    )
+    parser.add_argument("--engines", nargs="+", default=list(HEADLINE.engines),
+                        help="the headline's engines")  # fmt: skip
     args = parser.parse_args(argv)
-    settings = GRIDS["quick" if args.quick else "full"]
-    result = table(settings, anyio.run(measure, settings, print))
-    print(" | ".join(result.columns))
-    for row in result.rows:
-        print(" | ".join(row))
+    if args.headline:
+        settings = replace(HEADLINE, engines=tuple(args.engines))
+        with tempfile.TemporaryDirectory() as scratch:
+            results = [headline_table(settings, headline(settings, Path(scratch), print))]
+    else:
+        settings = GRIDS["quick" if args.quick else "full"]
+        results = [table(settings, anyio.run(measure, settings, print))]
+    for result in results:
+        print(" | ".join(result.columns))
+        for row in result.rows:
+            print(" | ".join(row))
     return 0
 
 

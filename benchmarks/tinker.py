@@ -33,7 +33,6 @@ import math
 import os
 import random
 import signal
-import subprocess
 import sys
 import tempfile
 import time
@@ -49,6 +48,7 @@ from anyio.from_thread import start_blocking_portal
 
 from benchmarks.quiet import OtherLoad
 from benchmarks.report import Note, Table, fmt, markdown_table
+from benchmarks.serve_child import serving
 from benchmarks.setup import set_up
 from corun.base.config import Config
 from corun.contract.config_file import load_config
@@ -77,7 +77,6 @@ CALLS = {  # key: the row's label
     "sample1": "sample, 1 x 16 tokens",
     "sample4": "sample, 4 x 16 tokens",
 }
-START_S, STOP_S = 180.0, 60.0  # the server's start (imports, the model) and its stop
 
 
 @dataclass(frozen=True)
@@ -297,55 +296,6 @@ async def direct_backend(config: Config) -> AsyncIterator[tuple[TrainingBackend,
         yield backend, serve_lane
 
 
-# ----------------------------------------------------------------------------- the server
-
-
-class Server:
-    """``corun serve tinker`` in a child process: its URL from its first stdout line,
-    its stderr in a log beside; SIGINT and a wait when done."""
-
-    def __init__(self, folder: Path) -> None:
-        self.out, self.log = folder / "serve.out", folder / "serve.err"
-        command = [sys.executable, "-m", "corun", "serve", RECIPE, f"run.dir={folder / 'run'}"]
-        with open(self.out, "wb") as stdout, open(self.log, "wb") as stderr:
-            self.proc = subprocess.Popen(command, stdin=subprocess.DEVNULL, stdout=stdout,
-                                         stderr=stderr)  # fmt: skip
-        self.started = time.monotonic()
-
-    def url(self) -> str:
-        """Once serving: the URL (a server that ends first, or takes too long, an error
-        with its log's end)."""
-        while time.monotonic() - self.started < START_S:
-            first, newline, _ = self.out.read_text().partition("\n")
-            if newline:
-                if not first.startswith("corun: serving http://"):
-                    break
-                return first.removeprefix("corun: serving ").strip()
-            if self.proc.poll() is not None:
-                break
-            time.sleep(0.05)
-        tail = self.log.read_text(errors="replace")[-2000:]
-        raise RuntimeError(f"corun serve {RECIPE} did not start (exit {self.proc.poll()}):\n{tail}")
-
-    def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGINT)
-        try:
-            self.proc.wait(STOP_S)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            self.proc.wait()
-
-
-@contextmanager
-def serving(folder: Path) -> Iterator[Server]:
-    server = Server(folder)
-    try:
-        yield server
-    finally:
-        server.stop()
-
-
 # ----------------------------------------------------------------------------- a run
 
 
@@ -363,7 +313,7 @@ def measure(settings: Settings, folder: Path) -> Figures:
     config = load_config(recipe, [f"run.dir={folder / 'direct'}"])
     work = Work.draw()
     with (
-        serving(folder) as server,
+        serving(folder, RECIPE) as server,
         start_blocking_portal() as portal,
         portal.wrap_async_context_manager(direct_backend(config)) as (backend, serve_lane),
     ):

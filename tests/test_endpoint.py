@@ -116,6 +116,29 @@ async def test_32_agents_at_once_share_batches(anyio_backend: str) -> None:
             assert endpoint.batcher.batches < 32  # generated together, not one by one
 
 
+async def test_ignore_eos_runs_every_reply_to_max_tokens(anyio_backend: str) -> None:
+    """vLLM's ``ignore_eos`` (what ``vllm bench serve --ignore-eos`` sends): an EOS
+    sampled ends nothing, so every reply has ``max_tokens`` tokens, streamed or not."""
+    with anyio.fail_after(60):
+        async with serving() as (endpoint, _), httpx.AsyncClient(base_url=endpoint.url) as http:
+
+            async def finishes(**extra: Any) -> list[tuple[str, int]]:
+                replies = [(await http.post("/v1/chat/completions", json=chat(
+                    seed=seed, max_tokens=20, **extra))).json() for seed in range(12)]  # fmt: skip
+                return [(r["choices"][0]["finish_reason"], len(r["choices"][0]["token_ids"]))
+                        for r in replies]  # fmt: skip
+
+            stopping = await finishes()
+            assert any(finish == "stop" and n < 20 for finish, n in stopping)  # EOS is sampled
+            assert await finishes(ignore_eos=True) == [("length", 20)] * 12
+            streamed = {"model": MODEL, "prompt": "1+2=", "max_tokens": 20, "stream": True,
+                        "ignore_eos": True, "seed": 3, "logprobs": 0}  # fmt: skip
+            async with http.stream("POST", "/v1/completions", json=streamed) as response:
+                events = [json.loads(line[6:]) async for line in response.aiter_lines()
+                          if line.startswith("data: {")]  # fmt: skip
+            assert sum(len(e["choices"][0].get("token_ids") or []) for e in events) == 20
+
+
 BAD: list[tuple[str, Callable[[httpx.AsyncClient], Any], int, str | None]] = [
     ("malformed JSON", lambda h: h.post("/v1/chat/completions", content=b"{nope"), 400, None),
     ("wrong type", lambda h: h.post("/v1/chat/completions", json=chat(temperature="hot")), 400,

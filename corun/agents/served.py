@@ -66,7 +66,8 @@ class EnginePolicy:
     ) -> list[Completion]:  # fmt: skip
         settings = EngineSampling(
             sampling.max_tokens, sampling.temperature, sampling.top_p,
-            stop_ids=self.template.stop_ids, top_logprobs=sampling.top_logprobs,
+            stop_ids=() if sampling.ignore_eos else self.template.stop_ids,
+            top_logprobs=sampling.top_logprobs,
         )  # fmt: skip
         done = await generate_streamed(self.engine, prompts, settings, seed, sink)
         return [Completion(g.ids, g.logprobs, g.versions, g.finish, g.top) for g in done]

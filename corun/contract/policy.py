@@ -134,6 +134,7 @@ class ChatRequest(msgspec.Struct, kw_only=True):
     top_logprobs: Annotated[int, msgspec.Meta(ge=0, le=20)] | None = None
     seed: Seed | None = None
     n: Annotated[int, msgspec.Meta(ge=1, le=8)] = 1
+    ignore_eos: bool = False  # vLLM's extension: only max_tokens ends a reply
     episode_id: Annotated[str, msgspec.Meta(min_length=1, max_length=200)] | None = None
     group: Annotated[str, msgspec.Meta(max_length=200)] | None = None
 
@@ -148,6 +149,7 @@ class CompletionRequest(msgspec.Struct, kw_only=True):
     logprobs: Annotated[int, msgspec.Meta(ge=0, le=5)] | None = None
     seed: Seed | None = None
     n: Annotated[int, msgspec.Meta(ge=1, le=1)] = 1
+    ignore_eos: bool = False
 
 
 class RewardReport(msgspec.Struct, kw_only=True):
@@ -163,6 +165,7 @@ class Sampling:
     temperature: float
     top_p: float
     top_logprobs: int = 0  # 0..20 most likely tokens per sampled one (0: none)
+    ignore_eos: bool = False  # no end-of-turn id ends a reply: only max_tokens (benchmarks)
 
 
 @dataclass

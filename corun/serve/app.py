@@ -140,7 +140,7 @@ class _Api:
         prompt = _encode_prompt(policy, body.prompt)
         top = body.logprobs or 0
         sampling = _sampling(policy, len(prompt), body.max_tokens, body.temperature,
-                             body.top_p, top)  # fmt: skip
+                             body.top_p, top, body.ignore_eos)  # fmt: skip
         if body.stream:
             return self._stream_completion(body, prompt, sampling)
         done = (await self.batcher.generate(prompt, sampling, body.seed))[0]
@@ -203,7 +203,7 @@ class _Api:
         try:
             limit = body.max_completion_tokens or body.max_tokens
             sampling = _sampling(self.policy, len(context), limit, body.temperature, body.top_p,
-                                 body.top_logprobs or 0)  # fmt: skip
+                                 body.top_logprobs or 0, body.ignore_eos)  # fmt: skip
             if body.stream:
                 return ChatStream(self, body, context, names, stops, episode).start(sampling)
             done = await self.batcher.generate(context, sampling, body.seed, body.n)
@@ -275,6 +275,7 @@ class ChatStream:
         self.head = {"id": f"chatcmpl-{secrets.token_hex(8)}", "object": "chat.completion.chunk",
                      "created": int(time.time()), "model": self.policy.name}  # fmt: skip
         self.version = 0  # the newest of the tokens sent
+        self.roles_sent = False
         self.settled = False  # recorded or abandoned (its episode's)
         self.emit: Emit | None = None
 
@@ -299,9 +300,10 @@ class ChatStream:
     async def _run(self, emit: Emit) -> None:
         self.emit = emit
         try:
-            for k in range(self.body.n):
-                await self._chunk(k, {"role": "assistant", "content": ""})
+            if not self.feed.whole:  # the benchmark's baseline sends nothing before the end
+                await self._roles()
             done = await self.feed.run(self.api.batcher, self.request, self._delta)
+            await self._roles()
             choices = [_choice(self.policy, c, self.names, self.stops) for c in done]
         except BaseException:
             self._settle(None)
@@ -316,8 +318,15 @@ class ChatStream:
             await emit(self.head | {"version": self.version, "choices": [],
                                     "usage": response["usage"]})  # fmt: skip
 
+    async def _roles(self) -> None:
+        if not self.roles_sent:
+            self.roles_sent = True
+            for k in range(self.body.n):
+                await self._chunk(k, {"role": "assistant", "content": ""})
+
     async def _delta(self, k: int, delta: Delta) -> None:
         """New tokens of choice ``k``: the text they release, with their log-probs."""
+        await self._roles()
         text = self.texts[k]
         if text.ended:  # a stop string ended it: the tokens after it are not the reply's
             return
@@ -471,7 +480,7 @@ def _render(policy: ServedPolicy, messages: list[ChatMessage], tools: Sequence[A
 
 def _sampling(
     policy: ServedPolicy, prompt_len: int, max_tokens: int | None, temperature: float,
-    top_p: float, top_logprobs: int,
+    top_p: float, top_logprobs: int, ignore_eos: bool,
 ) -> Sampling:  # fmt: skip
     room = policy.max_len - prompt_len
     tokens = room if max_tokens is None else max_tokens
@@ -479,7 +488,7 @@ def _sampling(
         raise ServeError(400, f"this model's maximum context length is {policy.max_len} "
                          f"tokens; the prompt has {prompt_len} and {tokens} more were asked "
                          "for", param="max_tokens", code="context_length_exceeded")  # fmt: skip
-    return Sampling(tokens, temperature, top_p, top_logprobs)
+    return Sampling(tokens, temperature, top_p, top_logprobs, ignore_eos)
 
 
 def _logprobs_object(content: list[dict[str, Any]]) -> dict[str, Any]:

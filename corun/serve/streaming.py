@@ -44,7 +44,7 @@ from corun.serve.batching import Batcher
 
 Emit = Callable[[dict[str, Any]], Awaitable[None]]
 # Benchmark-only (benchmarks/streaming.py's baseline): generate the whole reply, then
-# send its chunks, a token each, as the endpoint did before it streamed.
+# send its chunks (the role's, then a token each), as the endpoint did before it streamed.
 WHOLE_REPLY = False
 
 

@@ -115,11 +115,12 @@ class CalculatorPolicy:
             out = engine.generate(
                 torch.tensor([prompts[row] for row in group]), 1, sampling.max_tokens,
                 sampling.temperature, sampling.top_p, generator=generator,
+                stop=not sampling.ignore_eos,
             )  # fmt: skip
             for i, row in enumerate(group):
                 n = int(out.response_mask[i].sum())
                 ids = out.response_ids[i, :n].tolist()
-                stopped = bool(ids) and ids[-1] == calculator.EOS
+                stopped = bool(ids) and ids[-1] == calculator.EOS and not sampling.ignore_eos
                 finish: Literal["stop", "length"] = "stop" if stopped else "length"
                 done[row] = Completion(ids, out.logprobs[i, :n].tolist(),
                                        out.token_versions[i, :n].tolist(), finish)  # fmt: skip

@@ -27,6 +27,8 @@ from trainers.lm.model import TinyLM, decode
 from trainers.lm.tasks import EOS, PAD
 from trainers.weights import to_device
 
+NEVER = -1  # a stop id no token has: decoding runs to its length
+
 
 @dataclass
 class Rollouts:
@@ -147,9 +149,11 @@ class LocalEngine:
         top_p: float = 1.0,
         generator: torch.Generator | None = None,
         newer_weights: Callable[[], tuple[int, dict[str, Tensor]]] | None = None,
+        stop: bool = True,
     ) -> Rollouts:
         """Sample; with ``newer_weights`` (interrupt mode) the engine asks it for the
         latest published (version, weights) between decode steps and switches to them.
+        Without ``stop`` an EOS ends nothing: every row runs to ``max_new_tokens``.
         ``prompt_ids`` may be built on the CPU: they go to the engine's device once."""
         prompts = to_device(prompt_ids, self.device).repeat_interleave(n, dim=0)
 
@@ -161,10 +165,11 @@ class LocalEngine:
             return self.version
 
         out = decode(
-            self.model, prompts, max_new_tokens, stop_id=EOS, temperature=temperature,
+            self.model, prompts, max_new_tokens, stop_id=EOS if stop else NEVER,
+            temperature=temperature,
             top_p=top_p, generator=generator, weights_version=weights_version,
         )  # fmt: skip
-        is_eos = out.tokens == EOS
+        is_eos = out.tokens == (EOS if stop else NEVER)
         # A token counts up to and including the first EOS.
         eos_before = (is_eos.cumsum(dim=1) - is_eos.long()) > 0
         mask = ~eos_before
