@@ -13,13 +13,14 @@ import sys
 
 def main(argv: list[str]) -> int:
     try:
-        from vllm.benchmarks.serve import add_cli_args, main as run
+        from vllm.benchmarks.serve import add_cli_args
+        from vllm.benchmarks.serve import main as run
         from vllm.utils.argparse_utils import FlexibleArgumentParser
     except ImportError:
         print("the vLLM serving-benchmark client needs vLLM: pip install 'corun[vllm]'",
               file=sys.stderr)  # fmt: skip
         return 2
-    parser = FlexibleArgumentParser(prog="vllm bench serve")
+    parser = FlexibleArgumentParser(prog="vllm bench serve")  # type: ignore[no-untyped-call]
     add_cli_args(parser)
     run(parser.parse_args(argv))
     return 0
