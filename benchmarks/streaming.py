@@ -58,7 +58,7 @@ GRIDS = {
     "quick": Settings(("local",), 24, 8, (8, 48)),
     "tiny": Settings(("local",), 8, 4, (4, 16)),
 }
-HEADLINE = Settings(("local", "vllm"), 200, 32, (16, 128))  # the full grid's
+HEADLINE = Settings(("local", "vllm", "vllm-server"), 200, 32, (16, 128))  # the full grid's
 RECIPE = "hf_agentic"
 PROMPT_TOKENS = 32
 WHOLE_PRELUDE = "import corun.serve.streaming as s\ns.WHOLE_REPLY = True"

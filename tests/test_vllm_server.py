@@ -32,6 +32,7 @@ import pytest
 
 pytest.importorskip("vllm")
 
+from corun.contract.engine import Delta, Sampling
 from corun.engines.options import VLLMConfig
 from corun.engines.vllm_server import WORKER, VLLMServerEngine
 from corun.execution import procs
@@ -48,6 +49,7 @@ from tests.support.vllm_helpers import (
     assert_logprobs_follow_syncs,
     assert_top_logprobs,
     hf_trainer,
+    prompts,
     sampling_of,
 )
 from trainers.hf.policy import ChatFormat, HFPolicy
@@ -97,6 +99,38 @@ async def test_fingerprint_follows_syncs(
     engine = await servers.get()
     with anyio.fail_after(60):
         await assert_fingerprints_follow_syncs(engine, policy)
+
+
+@pytest.mark.anyio
+async def test_a_streamed_generation_is_the_whole_one_in_pieces(
+    servers: Engines[VLLMServerEngine], chat: ChatFormat
+) -> None:
+    """``generate_stream``: each request's chunks reach the sink as vLLM sends them;
+    joined, they are ``generate``'s tokens for the same seed (log-probs and top
+    log-probs too). A row the sink declines stops early; the others run to the end."""
+    engine = await servers.get()
+    sampling = Sampling(max_tokens=40, temperature=1.0, top_p=1.0, top_logprobs=2)
+    asks = prompts(chat, 4)
+    deltas: dict[int, list[Delta]] = {row: [] for row in range(len(asks))}
+
+    def sink(row: int, delta: Delta) -> bool:
+        deltas[row].append(delta)
+        return row != 0 or sum(len(d.ids) for d in deltas[0]) < 5  # row 0: 5 tokens at most
+
+    with anyio.fail_after(120):
+        whole = await engine.generate(asks, sampling, 7)
+        streamed = await engine.generate_stream(asks, sampling, 7, sink)
+    for row in range(1, len(asks)):
+        joined = [i for d in deltas[row] for i in d.ids]
+        assert joined == streamed[row].ids == whole[row].ids and len(joined) == 40
+        assert len(deltas[row]) > 10  # in pieces, not one reply at the end
+        lps = [x for d in deltas[row] for x in d.logprobs]
+        assert lps == pytest.approx(whole[row].logprobs, abs=1e-5)
+        tops = [[i for i, _ in step] for d in deltas[row] for step in d.top or []]
+        assert tops == [[i for i, _ in step] for step in whole[row].top or []]
+    declined = [i for d in deltas[0] for i in d.ids]
+    assert streamed[0].ids == declined == whole[0].ids[: len(declined)]
+    assert 5 <= len(declined) < 40 and streamed[0].finish == "length"
 
 
 @pytest.mark.parametrize("anyio_backend", ["asyncio"])  # a second server start: ~30 s

@@ -25,8 +25,9 @@ must be thread-safe and must not block; a row's deltas joined are its
 for a row asks the engine to stop generating that row (its client is gone, or a stop
 string ended it): the engine stops it within a step or so, the other rows go on, and
 the row's Generation holds the tokens sampled until then (``finish`` "length" unless
-it stopped on its own). The transformers engine and in-process vLLM stream; the
-vLLM server engine and the fleet deliver whole replies through the fallback.
+it stopped on its own). The transformers engine, in-process vLLM and the vLLM server
+engine stream (the server's in-flight mode, and the fleet, deliver whole replies
+through the fallback).
 
 Kept free of any engine's types, so another engine (SGLang, say) is an adapter away.
 """

@@ -10,10 +10,9 @@ is awaited by polling ``/health`` under ``start_timeout_s``, then one warm-up to
 
 Generation: one ``/v1/completions`` request per prompt, all at once (vLLM batches them;
 one request per prompt because a request's seed would be shared by all its prompts),
-prompt as token ids, ``return_token_ids`` and ``logprobs: 0`` for the sampled ids and
-their behaviour log-probs (vllm_worker.py); with top log-probs, ``logprobs: k``,
-``return_tokens_as_token_ids`` (each top token as ``token_id:<id>``) and corun's
-nucleus in ``vllm_xargs`` (vllm_common.nucleus_args). Weight update: the state dict
+prompt as token ids (vllm_completions.py: the fields, the answer); streamed
+(``generate_stream``) with ``stream: true``, each chunk's tokens handed on as it comes,
+and a row the sink declines closed, which vLLM takes as an abort. Weight update: the state dict
 written to a safetensors file, then ``/pause?mode=wait``, ``/collective_rpc`` of
 ``corun_reload`` (vllm_worker.WeightSync), ``/reset_prefix_cache``, ``/resume``; the
 weights fingerprint is ``/collective_rpc`` of ``corun_fingerprint``.
@@ -58,7 +57,8 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Awaitable, Callable, Mapping, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
+from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -68,7 +68,14 @@ import httpx
 from torch import Tensor
 
 from corun.base.errors import ConfigError
-from corun.contract.engine import Adapter, EngineError, Finish, Generation, Sampling
+from corun.contract.engine import (
+    Adapter,
+    EngineError,
+    Generation,
+    Sampling,
+    TokenSink,
+    deliver,
+)
 from corun.contract.fleet import pack
 from corun.engines.lora import require_lora
 from corun.engines.options import OPTIONS, VLLMConfig, engine_dtype
@@ -79,14 +86,12 @@ from corun.engines.vllm_common import (
     LoadedAdapter,
     engine_settings,
     last_error_line,
-    nucleus_args,
     one_line,
-    sampling_fields,
     signal_name,
     start_error,
-    top_entries,
     unsupported_model,
 )
+from corun.engines.vllm_completions import generation, request_body, streamed_choice
 from corun.engines.weight_transfer import DeviceTransfer, server_env, server_flags
 from corun.execution import procs
 from corun.execution.http import tls
@@ -155,18 +160,36 @@ class VLLMServerEngine(DrainingEngine):
     async def generate(
         self, prompts: Sequence[Sequence[int]], sampling: Sampling, seed: int
     ) -> list[Generation]:
+        return await self._admitted(prompts, sampling, seed, None)
+
+    async def generate_stream(
+        self, prompts: Sequence[Sequence[int]], sampling: Sampling, seed: int, sink: TokenSink
+    ) -> list[Generation]:
+        """Each request streamed (``stream: true``), its chunks' tokens to ``sink`` as
+        they come. In flight (``interrupt``) a token's version is known only from the
+        worker's record once its request ends, so those replies are handed over whole."""
+        if self._config.interrupt:
+            done = await self.generate(prompts, sampling, seed)
+            deliver(done, sink)
+            return done
+        return await self._admitted(prompts, sampling, seed, sink)
+
+    async def _admitted(
+        self, prompts: Sequence[Sequence[int]], sampling: Sampling, seed: int,
+        sink: TokenSink | None,
+    ) -> list[Generation]:  # fmt: skip
         self._check()
         async with self._admission.generation():
             self._check()
             with self._adapters.using() as adapter:  # the newest, to the end of the call
-                return await self._generate(prompts, sampling, seed, adapter)
+                return await self._generate(prompts, sampling, seed, adapter, sink)
 
     async def _generate(
         self, prompts: Sequence[Sequence[int]], sampling: Sampling, seed: int,
-        adapter: LoadedAdapter | None,
+        adapter: LoadedAdapter | None, sink: TokenSink | None,
     ) -> list[Generation]:  # fmt: skip
         """One call's completions, a request per prompt naming ``adapter`` (if any) as
-        its model."""
+        its model; streamed to ``sink`` when given."""
         # Draining, no weight update runs while a generation is admitted (an adapter
         # update changes the version only for generations admitted after it); in
         # flight, the worker's record says which version made each token.
@@ -177,35 +200,49 @@ class VLLMServerEngine(DrainingEngine):
 
         async def complete_all(client: httpx.AsyncClient) -> None:
             async def complete(i: int, prompt: list[int]) -> None:
-                body = {
-                    "model": model, "prompt": prompt, "return_token_ids": True,
-                    "skip_special_tokens": False, "request_id": f"{call}-{i}",
-                    **sampling_fields(sampling, seed, i), **_top_fields(sampling),
-                }  # fmt: skip
-                results[i] = (await self._post(client, "/v1/completions", json=body))["choices"][0]
+                body = request_body(model, prompt, f"{call}-{i}", sampling, seed, i)
+                if sink is None:
+                    answer = await self._post(client, "/v1/completions", json=body)
+                    results[i] = answer["choices"][0]
+                else:
+                    results[i] = await self._streamed(client, body, i, version, sampling, sink)
 
             async with anyio.create_task_group() as tasks:
                 for i, prompt in enumerate(prompts):
                     tasks.start_soon(complete, i, [int(t) for t in prompt])
 
         await self._call(complete_all)
-        made = [_generation(choice, version, sampling) for choice in results]
+        made = [generation(choice, version, sampling) for choice in results]
         if self._config.interrupt and adapter is None:  # adapters never switch in flight
             await self._stamp_versions(call, made)
         return made
+
+    async def _streamed(
+        self, client: httpx.AsyncClient, body: dict[str, Any], row: int, version: int,
+        sampling: Sampling, sink: TokenSink,
+    ) -> dict[str, Any]:  # fmt: skip
+        """A completion request streamed (vllm_completions.streamed_choice)."""
+        async with self._errors("/v1/completions"):
+            request = client.build_request("POST", "/v1/completions", json={**body, "stream": True})
+            response = await client.send(request, stream=True)
+            try:
+                await self._answered(response, "/v1/completions")
+                return await streamed_choice(response, row, version, sampling, sink)
+            finally:
+                await response.aclose()
 
     async def _stamp_versions(self, call: str, made: list[Generation]) -> None:
         """Each token's version, from the worker's record of the call's requests (vLLM's
         server names a completion request ``cmpl-<id>-<prompt>-<suffix>``)."""
         prefixes = [f"cmpl-{call}-{i}-0-" for i in range(len(made))]
         records = await self._rpc("corun_versions", prefixes)
-        for generation, record, prefix in zip(made, records, prefixes, strict=True):
+        for one, record, prefix in zip(made, records, prefixes, strict=True):
             if record is None:
                 self._dead = f"the worker kept no version record of request {prefix}*"
                 raise EngineError(f"vLLM server: {self._dead}")
             start, switches = record
-            generation.versions = token_versions(
-                (int(start), [(int(n), int(v)) for n, v in switches]), len(generation.ids)
+            one.versions = token_versions(
+                (int(start), [(int(n), int(v)) for n, v in switches]), len(one.ids)
             )
 
     async def update_weights(self, state: Mapping[str, Tensor], version: int) -> None:
@@ -379,9 +416,11 @@ class VLLMServerEngine(DrainingEngine):
             raise outcome[0]
         return outcome[0]  # type: ignore[no-any-return]
 
-    async def _post(self, client: httpx.AsyncClient, path: str, **kwargs: Any) -> Any:
+    @asynccontextmanager
+    async def _errors(self, path: str) -> AsyncIterator[None]:
+        """An HTTP failure of POST ``path`` as an EngineError (one line)."""
         try:
-            response = await client.post(path, **kwargs)
+            yield
         except httpx.TimeoutException:
             raise EngineError(
                 f"vLLM server: POST {path} took longer than request_timeout_s "
@@ -390,11 +429,19 @@ class VLLMServerEngine(DrainingEngine):
         except httpx.TransportError as exc:
             await anyio.sleep(0.5)  # a server that just died: let the watch see its exit
             raise EngineError(f"vLLM server: POST {path} failed: {one_line(exc)}") from None
+
+    async def _answered(self, response: httpx.Response, path: str) -> None:
         if response.status_code != 200:
+            await response.aread()
             raise EngineError(
                 f"vLLM server: POST {path} answered {response.status_code}: "
                 f"{_error_message(response)}"
             )
+
+    async def _post(self, client: httpx.AsyncClient, path: str, **kwargs: Any) -> Any:
+        async with self._errors(path):
+            response = await client.post(path, **kwargs)
+        await self._answered(response, path)
         if response.headers.get("content-type", "").startswith("application/json"):
             return response.json()
         return response.text or None  # the LoRA endpoints answer in plain text
@@ -516,29 +563,6 @@ def _save(state: dict[str, Tensor], path: Path) -> None:
     partial = path.with_suffix(".partial")
     partial.write_bytes(pack(state))  # the safetensors file, tied weights each their own
     os.replace(partial, path)  # the server never reads a half-written file
-
-
-def _top_fields(sampling: Sampling) -> dict[str, Any]:
-    """A request's fields for top log-probs (none without them)."""
-    if not sampling.top_logprobs:
-        return {}
-    nucleus = nucleus_args(sampling)
-    return {"return_tokens_as_token_ids": True, **({"vllm_xargs": nucleus} if nucleus else {})}
-
-
-def _generation(choice: dict[str, Any], version: int, sampling: Sampling) -> Generation:
-    ids = [int(t) for t in choice["token_ids"]]
-    logprobs = [float(x) for x in choice["logprobs"]["token_logprobs"]]
-    finish: Finish = "stop" if choice.get("finish_reason") == "stop" else "length"
-    generation = Generation(ids, logprobs, [version] * len(ids), finish)
-    if sampling.top_logprobs:  # {"token_id:<id>": log-prob} per step
-        generation.top = [
-            top_entries(
-                ((int(key.rpartition(":")[2]), float(lp)) for key, lp in step.items()), sampling
-            )
-            for step in choice["logprobs"]["top_logprobs"]
-        ]
-    return generation
 
 
 def _error_message(response: httpx.Response) -> str:
