@@ -159,8 +159,11 @@ def test_the_fleet_trains_as_the_local_engine(
 
 
 def test_a_member_killed_then_restarted(tmp_path: Path, warm: Path, fleet: list[Server]) -> None:
-    run = train(tmp_path, "run", warm, [s.url for s in fleet], "run.steps=40",
-                "loop.eval_interval=40", wait=False)  # fmt: skip
+    # Steps enough to outlast the member's restart on a quiet machine too: there 40 steps
+    # took ~10 s, and the run ended before the restarted member served.
+    steps_in_all = 100
+    run = train(tmp_path, "run", warm, [s.url for s in fleet], f"run.steps={steps_in_all}",
+                f"loop.eval_interval={steps_in_all}", wait=False)  # fmt: skip
     assert isinstance(run, subprocess.Popen)
     wait_until(lambda: len(steps(tmp_path / "run")) >= 3, 300.0)
     fleet[1].stop(signal.SIGKILL)
@@ -170,8 +173,8 @@ def test_a_member_killed_then_restarted(tmp_path: Path, warm: Path, fleet: list[
     assert run.returncode == 0, stderr[-3000:]
     assert f"corun: fleet: dropped {fleet[1].url}" in stderr
     assert f"corun: fleet: {fleet[1].url} is back" in stderr
-    assert [r["step"] for r in steps(tmp_path / "run")] == list(range(1, 41))
-    assert fleet[1].version() == 40  # synced with the others since it came back
+    assert [r["step"] for r in steps(tmp_path / "run")] == list(range(1, steps_in_all + 1))
+    assert fleet[1].version() == steps_in_all  # synced with the others since it came back
     last = steps(tmp_path / "run")[-1]
     assert (last["fleet/dropped"], last["fleet/rejoined"]) == (1.0, 1.0)
     assert last["fleet/members_serving"] == 2.0 and last["fleet/retried"] <= 1.0
