@@ -42,7 +42,6 @@ from benchmarks.endpoint_hf import MODEL, percentile, served
 from benchmarks.report import Note, Table, fmt
 from benchmarks.serve_child import serving
 from corun.serve import streaming
-from trainers.hf.tiny import BUILT_IN_DIR
 
 
 @dataclass(frozen=True)
@@ -169,6 +168,16 @@ class Served:
     result: dict[str, float]
 
 
+def built_in_model(where: Path) -> str:
+    """The directory of trainers/hf's built-in tiny Llama as a server working in
+    ``where`` finds it (its tokenizer is the client's), from a child process: benchmarks
+    import no trainers."""
+    ask = "from trainers.hf.tiny import built_in; print(built_in().resolve())"
+    done = subprocess.run([sys.executable, "-c", ask], cwd=where, capture_output=True,
+                          text=True, check=True)  # fmt: skip
+    return done.stdout.strip()
+
+
 def bench_serve(
     url: str, folder: Path, tokens: int, settings: Settings, name: str
 ) -> dict[str, float]:
@@ -177,7 +186,7 @@ def bench_serve(
     command = [
         sys.executable, "-m", "benchmarks.vllm_client", "--backend", "openai-chat",
         "--base-url", url, "--endpoint", "/v1/chat/completions", "--model", RECIPE,
-        "--tokenizer", str(folder / BUILT_IN_DIR), "--dataset-name", "random",
+        "--tokenizer", built_in_model(folder), "--dataset-name", "random",
         "--random-input-len", str(PROMPT_TOKENS), "--random-output-len", str(tokens),
         "--num-prompts", str(settings.requests), "--max-concurrency",
         str(settings.concurrency), "--ignore-eos", "--disable-tqdm",

@@ -32,3 +32,33 @@ def test_records_nobody_takes_are_bounded(monkeypatch: pytest.MonkeyPatch) -> No
     record = VersionRecord()
     record.scheduled([f"r{i}-" for i in range(5)])
     assert record.take(["r0-", "r1-", "r2-", "r4-"]) == [None, None, (0, []), (0, [])]
+
+
+def test_a_streamed_request_gets_the_versions_its_record_will_give() -> None:
+    """The engine's side (StreamVersions), told by each update what it found, gives every
+    token the version the worker's record gives it at the end, whichever way the update
+    met the request: not started, running, or ended."""
+    record = VersionRecord(version=1)
+    waiting, running, ended = (
+        token_versions.StreamVersions(1) for _ in range(3)
+    )  # submitted at version 1
+    prefixes = ["cmpl-w-0-", "cmpl-r-0-", "cmpl-e-0-"]
+    record.scheduled(["cmpl-r-0-0-a", "cmpl-e-0-0-b"])
+    generated = {"cmpl-r-0-0-a": 4}  # e ran and ended; w has not started
+    found = record.found(prefixes, generated)
+    assert found == [None, 4, token_versions.ENDED]
+    record.switched(generated, version=2)
+    for stream, what in zip((waiting, running, ended), found, strict=True):
+        stream.update(what, 2)
+    record.scheduled(["cmpl-w-0-0-c"])
+    generated = {"cmpl-r-0-0-a": 7, "cmpl-w-0-0-c": 2}
+    for stream, what in zip((waiting, running), record.found(prefixes[:2], generated), strict=True):
+        stream.update(what, 3)
+    record.switched(generated, version=3)
+    for stream, prefix, count in ((waiting, "cmpl-w-0-", 5), (running, "cmpl-r-0-", 10),
+                                  (ended, "cmpl-e-0-", 3)):  # fmt: skip
+        (kept,) = record.take([prefix])
+        assert kept is not None
+        assert stream.of(0, 2) + stream.of(2, count - 2) == versions_of(kept, count)
+    assert running.of(0, 10) == [1] * 4 + [2] * 3 + [3] * 3
+    assert waiting.of(0, 5) == [2, 2, 3, 3, 3] and ended.of(0, 3) == [1, 1, 1]

@@ -26,8 +26,7 @@ for a row asks the engine to stop generating that row (its client is gone, or a 
 string ended it): the engine stops it within a step or so, the other rows go on, and
 the row's Generation holds the tokens sampled until then (``finish`` "length" unless
 it stopped on its own). The transformers engine, in-process vLLM and the vLLM server
-engine stream (the server's in-flight mode, and the fleet, deliver whole replies
-through the fallback).
+engine stream; the fleet delivers whole replies through the fallback.
 
 Kept free of any engine's types, so another engine (SGLang, say) is an adapter away.
 """

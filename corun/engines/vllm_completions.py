@@ -12,6 +12,7 @@ fields for its new tokens.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import httpx
@@ -19,6 +20,9 @@ import httpx
 from corun.contract.engine import Delta, Finish, Generation, Sampling, TokenSink
 from corun.engines.vllm_common import nucleus_args, sampling_fields, top_entries
 from corun.execution.http import sse_events
+
+# versions(first, count): the versions of a request's tokens first .. first + count - 1
+Versions = Callable[[int, int], list[int]]
 
 
 def request_body(
@@ -34,6 +38,12 @@ def request_body(
         "skip_special_tokens": False, "request_id": request_id,
         **sampling_fields(sampling, seed, index), **top,
     }  # fmt: skip
+
+
+def internal_id(request_id: str, index: int) -> str:
+    """The start of the id vLLM's server gives completion request
+    ``f"{request_id}-{index}"`` (``cmpl-<id>-<prompt>-<suffix>``)."""
+    return f"cmpl-{request_id}-{index}-0-"
 
 
 def generation(choice: dict[str, Any], version: int, sampling: Sampling) -> Generation:
@@ -53,7 +63,7 @@ def generation(choice: dict[str, Any], version: int, sampling: Sampling) -> Gene
 
 
 async def streamed_choice(
-    response: httpx.Response, row: int, version: int, sampling: Sampling, sink: TokenSink
+    response: httpx.Response, row: int, versions: Versions, sampling: Sampling, sink: TokenSink
 ) -> dict[str, Any]:
     """Read a streamed request's chunks, each one's tokens to ``sink(row, ...)``; the
     chunks joined as one choice. Once the sink declines the row, reading stops (the
@@ -68,7 +78,8 @@ async def streamed_choice(
         finish = choice.get("finish_reason") or finish
         if not choice.get("token_ids"):
             continue
-        piece = generation(choice, version, sampling)
+        piece = generation(choice, 0, sampling)
+        piece.versions = versions(len(ids), len(piece.ids))
         ids += piece.ids
         logprobs += piece.logprobs
         tops += choice["logprobs"].get("top_logprobs") or []

@@ -23,7 +23,8 @@ two steps, the reload tells the worker the new version, which notes how many tok
 each started request had (token_versions.py), ``kv_at_switch = "recompute"`` then
 preempts them (``/reset_prefix_cache?reset_running_requests=true``), and ``/resume``.
 A generation names its requests (``request_id``) and, once they end, asks the worker
-for their records (``corun_versions``): each token's version. With ``"keep"`` the
+for their records (``corun_versions``): each token's version; streamed, as its tokens
+arrive, from what each update found of it (``corun_found``; token_versions.py). With ``"keep"`` the
 server keeps vLLM's prefix caching (unlike the in-process engine): with it off, vLLM
 0.32's ``pause(keep)`` waited for the running requests, a drain (measured, 3 runs of
 3); so a new request may reuse prompt KV from older weights, as a running one does.
@@ -74,12 +75,12 @@ from corun.contract.engine import (
     Generation,
     Sampling,
     TokenSink,
-    deliver,
 )
 from corun.contract.fleet import pack
+from corun.engines import vllm_completions as completions
 from corun.engines.lora import require_lora
 from corun.engines.options import OPTIONS, VLLMConfig, engine_dtype
-from corun.engines.token_versions import token_versions
+from corun.engines.token_versions import StreamVersions, token_versions
 from corun.engines.vllm_common import (
     AdapterVersions,
     DrainingEngine,
@@ -91,7 +92,6 @@ from corun.engines.vllm_common import (
     start_error,
     unsupported_model,
 )
-from corun.engines.vllm_completions import generation, request_body, streamed_choice
 from corun.engines.weight_transfer import DeviceTransfer, server_env, server_flags
 from corun.execution import procs
 from corun.execution.http import tls
@@ -115,6 +115,8 @@ class VLLMServerEngine(DrainingEngine):
         self._stopped = False
         self._adapters = AdapterVersions(config.max_loras, workdir / "adapters")
         self._transfer: DeviceTransfer | None = None  # weights device to device
+        # In flight: the streamed requests' versions so far, by their id prefix.
+        self._streams: dict[str, StreamVersions] = {}
 
     @classmethod
     async def start(cls, config: VLLMConfig) -> VLLMServerEngine:
@@ -166,12 +168,9 @@ class VLLMServerEngine(DrainingEngine):
         self, prompts: Sequence[Sequence[int]], sampling: Sampling, seed: int, sink: TokenSink
     ) -> list[Generation]:
         """Each request streamed (``stream: true``), its chunks' tokens to ``sink`` as
-        they come. In flight (``interrupt``) a token's version is known only from the
-        worker's record once its request ends, so those replies are handed over whole."""
-        if self._config.interrupt:
-            done = await self.generate(prompts, sampling, seed)
-            deliver(done, sink)
-            return done
+        they come. In flight (``interrupt``) each update tells the engine what it found
+        of the streamed requests (token_versions.StreamVersions), so their tokens carry
+        their versions as they arrive; the worker's record, read at the end, agrees."""
         return await self._admitted(prompts, sampling, seed, sink)
 
     async def _admitted(
@@ -197,29 +196,40 @@ class VLLMServerEngine(DrainingEngine):
         model = MODEL_NAME if adapter is None else adapter.name
         results: list[dict[str, Any]] = [{} for _ in prompts]
         call = f"corun-{secrets.token_hex(8)}"  # the requests' ids: f"{call}-{i}"
+        tracked = self._config.interrupt and adapter is None  # adapters never switch in flight
+        # Registered with the version now (no await between): an update either finds them
+        # (its answer, taken before it sets the new version) or comes after.
+        streams = {i: StreamVersions(version) for i in range(len(prompts)) if sink and tracked}
+        self._streams |= {completions.internal_id(call, i): stream for i, stream in streams.items()}
 
         async def complete_all(client: httpx.AsyncClient) -> None:
             async def complete(i: int, prompt: list[int]) -> None:
-                body = request_body(model, prompt, f"{call}-{i}", sampling, seed, i)
+                body = completions.request_body(model, prompt, f"{call}-{i}", sampling, seed, i)
                 if sink is None:
                     answer = await self._post(client, "/v1/completions", json=body)
                     results[i] = answer["choices"][0]
                 else:
-                    results[i] = await self._streamed(client, body, i, version, sampling, sink)
+                    stream = streams.get(i)
+                    versions = stream.of if stream else lambda first, n: [version] * n
+                    results[i] = await self._streamed(client, body, i, versions, sampling, sink)
 
             async with anyio.create_task_group() as tasks:
                 for i, prompt in enumerate(prompts):
                     tasks.start_soon(complete, i, [int(t) for t in prompt])
 
-        await self._call(complete_all)
-        made = [generation(choice, version, sampling) for choice in results]
-        if self._config.interrupt and adapter is None:  # adapters never switch in flight
+        try:
+            await self._call(complete_all)
+        finally:
+            for i in streams:
+                del self._streams[completions.internal_id(call, i)]
+        made = [completions.generation(choice, version, sampling) for choice in results]
+        if tracked:
             await self._stamp_versions(call, made)
         return made
 
     async def _streamed(
-        self, client: httpx.AsyncClient, body: dict[str, Any], row: int, version: int,
-        sampling: Sampling, sink: TokenSink,
+        self, client: httpx.AsyncClient, body: dict[str, Any], row: int,
+        versions: completions.Versions, sampling: Sampling, sink: TokenSink,
     ) -> dict[str, Any]:  # fmt: skip
         """A completion request streamed (vllm_completions.streamed_choice)."""
         async with self._errors("/v1/completions"):
@@ -227,14 +237,14 @@ class VLLMServerEngine(DrainingEngine):
             response = await client.send(request, stream=True)
             try:
                 await self._answered(response, "/v1/completions")
-                return await streamed_choice(response, row, version, sampling, sink)
+                return await completions.streamed_choice(response, row, versions, sampling, sink)
             finally:
                 await response.aclose()
 
     async def _stamp_versions(self, call: str, made: list[Generation]) -> None:
         """Each token's version, from the worker's record of the call's requests (vLLM's
         server names a completion request ``cmpl-<id>-<prompt>-<suffix>``)."""
-        prefixes = [f"cmpl-{call}-{i}-0-" for i in range(len(made))]
+        prefixes = [completions.internal_id(call, i) for i in range(len(made))]
         records = await self._rpc("corun_versions", prefixes)
         for one, record, prefix in zip(made, records, prefixes, strict=True):
             if record is None:
@@ -290,6 +300,8 @@ class VLLMServerEngine(DrainingEngine):
                 log = self._workdir / "server.log"
                 self._dead = f"weight reload for version {version} failed ({detail}; log: {log})"
                 raise EngineError(f"vLLM server {self._dead}") from None
+            if self._config.interrupt:
+                await self._found(client, version)
             if not (self._config.interrupt and self._config.kv_at_switch == "keep"):
                 answer = await self._post(client, "/reset_prefix_cache", params=reset)
                 if not (answer or {}).get("success", True):
@@ -298,6 +310,19 @@ class VLLMServerEngine(DrainingEngine):
             await self._post(client, "/resume")
 
         await self._call(reload)
+
+    async def _found(self, client: httpx.AsyncClient, version: int) -> None:
+        """While the update holds the requests frozen: what it found of the streamed ones
+        (vllm_worker.WeightSync.corun_found), then the new version for calls from now on.
+        A call registered since the question was asked has not started (it is frozen)."""
+        if self._streams:
+            prefixes = list(self._streams)
+            rpc = {"method": "corun_found", "args": [prefixes]}
+            answer = (await self._post(client, "/collective_rpc", json=rpc))["results"][0]
+            found = dict(zip(prefixes, answer, strict=True))
+            for prefix, stream in self._streams.items():
+                stream.update(found.get(prefix), version)
+        self._version = version
 
     async def update_adapter(self, adapter: Adapter, version: int) -> None:
         """Load ``adapter`` into the server as policy ``version`` (without draining:

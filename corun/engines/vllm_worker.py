@@ -307,6 +307,13 @@ class WeightSync:
 
         self.execute_model = noting  # the executor looks it up on the worker per step
 
+    def corun_found(self, prefixes: list[str]) -> list[int | None]:
+        """What the update now running finds of the requests with these id prefixes
+        (token_versions.VersionRecord.found): streamed requests' versions as they go."""
+        if self._corun_versions is None:
+            return [None] * len(prefixes)
+        return self._corun_versions.found(prefixes, self.corun_generated())
+
     def corun_versions(self, prefixes: list[str]) -> list[Any]:
         """The version records of the finished requests with these id prefixes, taken
         (None where none is kept)."""
