@@ -295,13 +295,13 @@ class VLLMServerEngine(DrainingEngine):
                 else:
                     rpc = {"method": "corun_reload", "args": [str(path), version]}
                     await self._post(client, "/collective_rpc", json=rpc)
+                if self._config.interrupt:  # the requests still frozen
+                    await self._found(client, version)
             except (EngineError, RuntimeError, OSError) as exc:  # half-loaded: unusable
                 detail = str(exc).removeprefix("vLLM server: ")
                 log = self._workdir / "server.log"
                 self._dead = f"weight reload for version {version} failed ({detail}; log: {log})"
                 raise EngineError(f"vLLM server {self._dead}") from None
-            if self._config.interrupt:
-                await self._found(client, version)
             if not (self._config.interrupt and self._config.kv_at_switch == "keep"):
                 answer = await self._post(client, "/reset_prefix_cache", params=reset)
                 if not (answer or {}).get("success", True):

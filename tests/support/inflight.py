@@ -13,7 +13,7 @@ from collections.abc import Awaitable, Callable
 import anyio
 import torch
 
-from corun.contract.engine import Engine, Generation, Sampling, TokenSink, generate_streamed
+from corun.contract.engine import Engine, Generation, Sampling
 from tests.support.vllm_helpers import perturb, prompts, recompute
 from trainers.hf.policy import ChatFormat, HFPolicy
 from trainers.hf.rl import to_rollouts
@@ -33,13 +33,11 @@ async def generate_across_syncs(
     syncs: int = 2, count: int = 4, step_tokens: int = STEP_TOKENS,
     max_tokens: int = LONG.max_tokens, poll_s: float = 0.005,
     before_update: Callable[[], Awaitable[None]] | None = None,
-    sink: TokenSink | None = None,
 ) -> tuple[list[list[int]], list[Generation], list[HFPolicy]]:  # fmt: skip
     """``count`` prompts, their generations, and the policy of each version 0..``syncs``:
     an update each time every row has ``step_tokens`` more tokens (``progress``: the
     fewest tokens a running row has so far), while the generation runs
-    (``before_update``, if given, runs just before each; ``sink``, if given, streams
-    it)."""
+    (``before_update``, if given, runs just before each)."""
     rows = prompts(chat, count)
     await engine.update_weights(policy.weights(), 0)
     policies = [copy.deepcopy(policy)]
@@ -48,7 +46,7 @@ async def generate_across_syncs(
 
     async def generate() -> None:
         sampling = dataclasses.replace(LONG, max_tokens=max_tokens)
-        got.extend(await generate_streamed(engine, rows, sampling, 3, sink))
+        got.extend(await engine.generate(rows, sampling, seed=3))
         done.set()
 
     async with anyio.create_task_group() as group:
