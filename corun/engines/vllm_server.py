@@ -12,7 +12,7 @@ Generation: one ``/v1/completions`` request per prompt, all at once (vLLM batche
 one request per prompt because a request's seed would be shared by all its prompts),
 prompt as token ids (vllm_completions.py: the fields, the answer); streamed
 (``generate_stream``) with ``stream: true``, each chunk's tokens handed on as it comes,
-and a row the sink declines closed, which vLLM takes as an abort. Weight update: the state dict
+a row the sink declines closed (vLLM aborts it). Weight update: the state dict
 written to a safetensors file, then ``/pause?mode=wait``, ``/collective_rpc`` of
 ``corun_reload`` (vllm_worker.WeightSync), ``/reset_prefix_cache``, ``/resume``; the
 weights fingerprint is ``/collective_rpc`` of ``corun_fingerprint``.
@@ -24,10 +24,11 @@ each started request had (token_versions.py), ``kv_at_switch = "recompute"`` the
 preempts them (``/reset_prefix_cache?reset_running_requests=true``), and ``/resume``.
 A generation names its requests (``request_id``) and, once they end, asks the worker
 for their records (``corun_versions``): each token's version; streamed, as its tokens
-arrive, from what each update found of it (``corun_found``; token_versions.py). With ``"keep"`` the
-server keeps vLLM's prefix caching (unlike the in-process engine): with it off, vLLM
-0.32's ``pause(keep)`` waited for the running requests, a drain (measured, 3 runs of
-3); so a new request may reuse prompt KV from older weights, as a running one does.
+arrive, from what each update found of it (``corun_found``; token_versions.py). With
+``"keep"`` the server keeps vLLM's prefix caching (unlike the in-process engine): with
+it off, vLLM 0.32's ``pause(keep)`` waited for the running requests, a drain (measured,
+3 runs of 3); so a new request may reuse prompt KV from older weights, as a running one
+does.
 
 Adapters (``lora_rank`` set; vllm_common.AdapterVersions): the server is started with
 LoRA support and ``VLLM_ALLOW_RUNTIME_LORA_UPDATING``; ``update_adapter`` writes the
