@@ -26,9 +26,8 @@ A generation names its requests (``request_id``) and, once they end, asks the wo
 for their records (``corun_versions``): each token's version; streamed, as its tokens
 arrive, from what each update found of it (``corun_found``; token_versions.py). With
 ``"keep"`` the server keeps vLLM's prefix caching (unlike the in-process engine): with
-it off, vLLM 0.32's ``pause(keep)`` waited for the running requests, a drain (measured,
-3 runs of 3); so a new request may reuse prompt KV from older weights, as a running one
-does.
+it off, vLLM 0.32's ``pause(keep)`` drained (3 runs of 3); so a new request may reuse
+prompt KV from older weights, as a running one does.
 
 Adapters (``lora_rank`` set; vllm_common.AdapterVersions): the server is started with
 LoRA support and ``VLLM_ALLOW_RUNTIME_LORA_UPDATING``; ``update_adapter`` writes the
