@@ -41,6 +41,7 @@ import httpx
 from benchmarks.endpoint_hf import MODEL, percentile, served
 from benchmarks.report import Note, Table, fmt
 from benchmarks.serve_child import serving
+from corun.execution.http import sse_events
 from corun.serve import streaming
 
 
@@ -80,22 +81,18 @@ async def one(http: httpx.AsyncClient, tokens: int, seed: int, row: Row) -> None
     ask = [{"role": "user", "content": f"Count to {seed}."}]
     body = {"model": MODEL, "max_tokens": tokens, "temperature": 1.0, "stream": True,
             "messages": ask}  # fmt: skip
-    sent, last, buffer = time.perf_counter(), 0.0, b""
+    sent, last = time.perf_counter(), 0.0
     async with http.stream("POST", "/v1/chat/completions", json=body) as response:
-        async for data in response.aiter_bytes():  # events end with a blank line (SSE)
-            *events, buffer = (buffer + data).split(b"\n\n")
-            for event in events:
-                if not event.startswith(b"data: {"):
-                    continue
-                choices = json.loads(event[6:])["choices"]
-                if not choices or not choices[0]["delta"].get("content"):
-                    continue
-                now = time.perf_counter()
-                if last:
-                    row.itl.append(now - last)
-                else:
-                    row.ttft.append(now - sent)
-                last = now
+        async for event in sse_events(response):
+            choices = event["choices"]
+            if not choices or not choices[0]["delta"].get("content"):
+                continue
+            now = time.perf_counter()
+            if last:
+                row.itl.append(now - last)
+            else:
+                row.ttft.append(now - sent)
+            last = now
 
 
 async def measure_engine(engine: str, settings: Settings, note: Note) -> list[Row]:
@@ -179,14 +176,14 @@ def built_in_model(where: Path) -> str:
 
 
 def bench_serve(
-    url: str, folder: Path, tokens: int, settings: Settings, name: str
+    url: str, folder: Path, tokenizer: str, tokens: int, settings: Settings, name: str
 ) -> dict[str, float]:
     """vLLM's client against ``url``: its saved result's figures, and the time to the
     first content (p50, p99)."""
     command = [
         sys.executable, "-m", "benchmarks.vllm_client", "--backend", "openai-chat",
         "--base-url", url, "--endpoint", "/v1/chat/completions", "--model", RECIPE,
-        "--tokenizer", built_in_model(folder), "--dataset-name", "random",
+        "--tokenizer", tokenizer, "--dataset-name", "random",
         "--random-input-len", str(PROMPT_TOKENS), "--random-output-len", str(tokens),
         "--num-prompts", str(settings.requests), "--max-concurrency",
         str(settings.concurrency), "--ignore-eos", "--disable-tqdm",
@@ -211,6 +208,7 @@ def headline(settings: Settings, scratch: Path, note: Note) -> list[Served]:
     """Each engine before and after, each reply length (see the module's docstring).
     The servers share one working directory, so the SFT warm start is trained once."""
     scratch.mkdir(parents=True, exist_ok=True)
+    tokenizer = built_in_model(scratch)
     done = []
     for engine in settings.engines:
         for mode in ("whole", "stream"):
@@ -221,7 +219,7 @@ def headline(settings: Settings, scratch: Path, note: Note) -> list[Served]:
             with serving(folder, RECIPE, overrides, prelude, cwd=scratch) as server:
                 note(f"corun serve {RECIPE} ({engine}, {mode}): {server.url()}")
                 for tokens in settings.lengths:
-                    result = bench_serve(server.url(), scratch, tokens, settings,
+                    result = bench_serve(server.url(), scratch, tokenizer, tokens, settings,
                                          f"{engine}-{mode}-{tokens}")  # fmt: skip
                     if result.get("failed"):
                         raise RuntimeError(f"{result['failed']} requests failed ({engine})")

@@ -75,12 +75,14 @@ class VersionRecord:
         return found
 
 
-def token_versions(record: Record, count: int) -> list[int]:
-    """The version of each of a request's ``count`` tokens, from its record."""
+def token_versions(record: Record, count: int, first: int = 0) -> list[int]:
+    """The version of each of a request's tokens ``first`` .. ``count - 1``, from its
+    record."""
     start, switches = record
-    versions = [start] * count
+    versions = [start] * max(0, count - first)
     for before, version in switches:
-        versions[before:] = [version] * max(0, count - before)
+        at = max(0, before - first)
+        versions[at:] = [version] * max(0, len(versions) - at)
     return versions
 
 
@@ -102,4 +104,4 @@ class StreamVersions:
 
     def of(self, first: int, count: int) -> list[int]:
         """The versions of tokens ``first`` .. ``first + count - 1``."""
-        return token_versions((self.start, self.switches), first + count)[first:]
+        return token_versions((self.start, self.switches), first + count, first)
