@@ -33,7 +33,7 @@ import torch
 
 from benchmarks.peers import ENV, EVAL_SIZE, JOB, THREADS, Shape
 from corun.contract.engine import Sampling
-from corun.engines.decode import generate
+from corun.engines.continuous import generate
 from trainers.hf.policy import ChatFormat
 from trainers.hf.rewards import numeric_match
 from trainers.hf.state import export

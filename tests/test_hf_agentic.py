@@ -22,7 +22,7 @@ from corun.agents.chat import ChatTemplate
 from corun.agents.chat_runner import ChatStep, run_chat_episodes, teacher_episode
 from corun.contract.engine import Generation, Sampling
 from corun.contract.policy import ChatMessage, FunctionCall, ToolCall
-from corun.engines import decode
+from corun.engines import continuous
 from corun.records.events import read_records
 from tests.support.config import make_config
 from trainers.agentic.calculator import EnvSettings, Problem
@@ -212,7 +212,7 @@ async def test_trained_tokens_recompute_to_their_behaviour_log_probs(anyio_backe
     chat = ChatTemplate(tokenizer)
 
     async def generate(prompts: list[list[int]], sampling: Sampling, seed: int) -> list[Generation]:
-        return decode.generate(policy, prompts, sampling, torch.Generator().manual_seed(seed),
+        return continuous.generate(policy, prompts, sampling, torch.Generator().manual_seed(seed),
                                chat.pad_id)  # fmt: skip
 
     problems = [Problem(123, 456), Problem(7, 8), Problem(1234, 5678)]

@@ -1,33 +1,21 @@
-"""Batched sampling from a Hugging Face causal LM with its KV cache: what the
-transformers rollout engine (transformers_engine.py) and a trainer's held-out
-evaluation run, and the sampling math the trainers share with it (nucleus log-probs,
-left padding, position ids that skip it).
-
-Prompts of several lengths are left-padded; position ids skip the padding, so each
-row computes what it would alone. Log-probs are under the full temperature-scaled
-distribution (what the trainer recomputes; top-p only narrows what is drawn), and
-each token records the weight version that produced it. With a ``sink`` (corun/contract/
-engine.py's streaming rules) each step's tokens are handed over as they are drawn, a
-row whose sink declines more is stopped there (masked like a finished row: the other
-rows' draws are unchanged). When ``weights_version``
-reports newer weights between two steps (a partial rollout), the cache of the old
-weights is dropped and the prefix is re-read by the new ones. With
-``Sampling.top_logprobs`` each step also keeps the most likely tokens under that same
-distribution (a top-k of the row the behaviour log-prob is read from; nothing extra
-otherwise).
+"""The sampling math of a Hugging Face causal LM, shared by the transformers rollout
+engine's generation (continuous.py), a trainer's held-out evaluation and the trainers
+themselves: left padding and position ids that skip it (so each row computes what it
+would alone), one draw per row with its log-prob under the full temperature-scaled
+distribution (what the trainer recomputes; top-p and top-k only narrow what is drawn),
+and scoring passes over prompts and their completions.
 """
 
 from __future__ import annotations
 
 import inspect
-from collections.abc import Callable, Sequence
-from typing import Any, Literal, Protocol
+from collections.abc import Sequence
+from typing import Any, Protocol
 
 import torch
 from torch import Tensor, nn
 
-from corun.contract.engine import Delta, Generation, Sampling, TokenSink
-from corun.execution.compute import cancel_point
+from corun.contract.engine import Sampling
 
 
 class CausalLM(Protocol):
@@ -73,84 +61,6 @@ def top_p_log_probs(logits: Tensor, top_p: float) -> Tensor:
     sorted_lp = sorted_lp.masked_fill(mass_before >= top_p, float("-inf"))
     kept = torch.full_like(log_probs, float("-inf")).scatter(-1, order, sorted_lp)
     return torch.log_softmax(kept, dim=-1)
-
-
-@torch.no_grad()
-def generate(
-    policy: CausalLM, prompts: Sequence[Sequence[int]], sampling: Sampling,
-    generator: torch.Generator | None, pad_id: int,
-    weights_version: Callable[[], int] = lambda: 0, sink: TokenSink | None = None,
-) -> list[Generation]:  # fmt: skip
-    """One continuation per prompt; ``temperature`` 0 is greedy and draws nothing.
-    Computes on the model's device (``generator`` must be on it too); the results come
-    back to the CPU once, at the end (and, with ``sink``, each step's tokens as well)."""
-    model = policy.model
-    was_training = model.training
-    model.eval()
-    device = next(model.parameters()).device
-    ids, mask = left_pad(prompts, pad_id, device)
-    batch = ids.shape[0]
-    stop_ids = sampling.stop_ids or (-1,)
-    stops = torch.tensor(stop_ids, device=device)
-    done = torch.zeros(batch, dtype=torch.bool, device=device)
-    tokens: list[Tensor] = []
-    logprobs: list[Tensor] = []
-    tops: list[tuple[Tensor, Tensor]] = []  # per step: (ids, log-probs), with top_logprobs
-    versions: list[int] = []
-    cache = None
-    step_ids = ids  # what the next forward reads: the whole prefix, or the last token
-    keep = {"logits_to_keep": 1} if _keeps_logits(model) else {}  # not the prefix's
-    cut: dict[int, int] = {}  # rows a sink declined: the tokens they keep
-    for step in range(sampling.max_tokens):
-        if step:
-            cancel_point()
-        version = weights_version()
-        if versions and version != versions[-1]:  # new weights: re-read the prefix
-            cache, step_ids = None, ids
-        versions.append(version)
-        attention = mask.long()
-        out = model(
-            input_ids=step_ids, attention_mask=attention,
-            position_ids=positions(attention)[:, -step_ids.shape[1] :],
-            past_key_values=cache, use_cache=True, **keep,
-        )  # fmt: skip
-        cache = out.past_key_values
-        logits = out.logits[:, -1].float()
-        token, logprob, log_dist = _draw(logits, sampling, generator)
-        if sampling.top_logprobs:
-            best = log_dist.topk(min(sampling.top_logprobs, log_dist.shape[-1]), dim=-1)
-            tops.append((best.indices, best.values))
-        token = token.masked_fill(done, pad_id)
-        tokens.append(token)
-        logprobs.append(logprob.masked_fill(done, 0.0))
-        if sink is not None:
-            _hand_over(sink, done, tokens, logprobs, version, tops, cut)
-        done |= torch.isin(token, stops)
-        ids = torch.cat([ids, token[:, None]], dim=1)
-        mask = torch.cat([mask, torch.ones(batch, 1, dtype=torch.bool, device=device)], dim=1)
-        step_ids = token[:, None]
-        if bool(done.all()):
-            break
-    model.train(was_training)
-    return _generations(tokens, logprobs, versions, set(stop_ids), tops, cut)
-
-
-def _hand_over(
-    sink: TokenSink, done: Tensor, tokens: list[Tensor], logprobs: list[Tensor], version: int,
-    tops: list[tuple[Tensor, Tensor]], cut: dict[int, int],
-) -> None:  # fmt: skip
-    """This step's token of each running row to ``sink``; a row it declines is marked
-    done (in place) and keeps its tokens so far."""
-    running = (~done).nonzero().flatten().tolist()
-    if not running:
-        return
-    step_ids, step_lps = tokens[-1].tolist(), logprobs[-1].tolist()
-    best = [(ids.tolist(), lps.tolist()) for ids, lps in tops[-1:]]
-    for row in running:
-        top = [list(zip(best[0][0][row], best[0][1][row], strict=True))] if best else None
-        if not sink(row, Delta([step_ids[row]], [step_lps[row]], [version], top)):
-            done[row] = True
-            cut[row] = len(tokens)
 
 
 # The most logits (positions x vocabulary entries) a scoring pass holds, beyond one
@@ -202,7 +112,7 @@ def distributions(
     return [log_dist[i, width - len(c) :] for i, c in enumerate(completions)]
 
 
-def _keeps_logits(model: nn.Module) -> bool:
+def keeps_logits(model: nn.Module) -> bool:
     """Whether ``model`` computes only its last positions' logits when asked
     (transformers' ``logits_to_keep``; a peft wrapper passes it to its base model)."""
     unwrap = getattr(model, "get_base_model", None)
@@ -210,7 +120,7 @@ def _keeps_logits(model: nn.Module) -> bool:
     return "logits_to_keep" in inspect.signature(base.forward).parameters
 
 
-def _draw(
+def draw(
     logits: Tensor, sampling: Sampling, generator: torch.Generator | None
 ) -> tuple[Tensor, Tensor, Tensor]:
     """(tokens, their log-probs, the log-distribution those are read from)."""
@@ -240,29 +150,3 @@ def sample_rows(probs: Tensor, generator: torch.Generator | None) -> Tensor:
     drawn = torch.rand(probs.shape[0], 1, generator=generator, device=probs.device)
     token = torch.searchsorted(cumulative, drawn * cumulative[:, -1:], right=True)
     return token.squeeze(1).clamp_(max=probs.shape[-1] - 1)
-
-
-def _generations(
-    tokens: list[Tensor], logprobs: list[Tensor], versions: list[int], stop_ids: set[int],
-    tops: list[tuple[Tensor, Tensor]], cut: dict[int, int] | None = None,
-) -> list[Generation]:  # fmt: skip
-    if not tokens:
-        return []
-    out = []
-    rows = zip(torch.stack(tokens, 1).tolist(), torch.stack(logprobs, 1).tolist(), strict=True)
-    top_ids = torch.stack([ids for ids, _ in tops], 1).tolist() if tops else None
-    top_lps = torch.stack([lps for _, lps in tops], 1).tolist() if tops else None
-    for row, (ids, lps) in enumerate(rows):
-        stop_at = next((i for i, token in enumerate(ids) if token in stop_ids), None)
-        end = len(ids) if stop_at is None else stop_at + 1
-        finish: Literal["stop", "length"] = "length" if stop_at is None else "stop"
-        if cut and row in cut and cut[row] < end:  # declined by a sink before it ended
-            end, finish = cut[row], "length"
-        generation = Generation(ids[:end], lps[:end], versions[:end], finish)
-        if top_ids is not None and top_lps is not None:
-            generation.top = [
-                list(zip(step_ids, step_lps, strict=True))
-                for step_ids, step_lps in zip(top_ids[row][:end], top_lps[row][:end], strict=True)
-            ]
-        out.append(generation)
-    return out

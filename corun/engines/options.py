@@ -20,6 +20,7 @@ LOCAL = (
     "dtype",
     "lora_rank",
     "max_loras",
+    "max_num_seqs",
     "share_weights",
 )  # what the "local" engine takes too
 FLEET = ("urls", "bucket_mb", "token")  # the "remote" engine's alone

@@ -199,6 +199,7 @@ async def _start(
         return TransformersEngine(
             policy, pad_id, lane, owns_lane=not shared, interrupt=interrupt,
             dtype=engine_dtype(options), shared=shares_weights(policy, options, ctx, role),
+            max_rows=options.max_num_seqs,
         )  # fmt: skip
     if kind == "remote":
         from corun.engines.fleet import FleetEngine

@@ -39,7 +39,7 @@ import torch
 from torch import Tensor
 
 from corun.contract.engine import Adapter, EngineError, Generation, Sampling, TokenSink
-from corun.engines import decode
+from corun.engines import continuous, decode
 from corun.engines.fingerprint import bits_sum, format_fingerprint, weights_fingerprint
 from corun.engines.lora import adapter_parameters, parameter_name
 from corun.execution.compute import Lane, blocking_io
@@ -65,6 +65,7 @@ class TransformersEngine:
     def __init__(
         self, policy: decode.CausalLM, pad_id: int, lane: Lane, *, owns_lane: bool,
         interrupt: bool, dtype: torch.dtype | None = None, shared: bool = False,
+        max_rows: int | None = None,
     ) -> None:  # fmt: skip
         # ``shared``: the policy's own model, not a copy (a synchronous run, where
         # generation and updates alternate on one lane: see start.py's shares_weights).
@@ -94,6 +95,13 @@ class TransformersEngine:
         self._resumed = anyio.Event()
         self._resumed.set()
         self._closed = False
+        # Continuous batching (continuous.py): the running calls' rows, stepped by one
+        # of their callers at a time; the others wait on their wake events.
+        self._batch = continuous.RunningBatch(self.model, pad_id, max_rows)
+        self._stepping = False
+        self._wakes: dict[continuous.Call, anyio.Event] = {}
+        self._idle = anyio.Event()  # set by the step that leaves the batch idle
+        self._draining: anyio.Event | None = None  # a drained update: set once it loaded
 
     @property
     def version(self) -> int:
@@ -115,18 +123,67 @@ class TransformersEngine:
         """:meth:`generate`, each step's tokens to ``sink`` as they are drawn (a row it
         declines stops at once; corun/contract/engine.py's streaming rules)."""
         await self._resumed.wait()
+        while self._draining is not None:  # an update waits for the calls before it
+            await self._draining.wait()
         if self._closed:
             raise EngineError("the transformers engine is shut down")
-        return await self.lane.run(self._generate, list(prompts), sampling, seed, sink)
-
-    def _generate(
-        self, prompts: list[list[int]], sampling: Sampling, seed: int, sink: TokenSink | None
-    ) -> list[Generation]:
         # Drawn on the model's device: the CPU's stream on a CPU run, as before.
         generator = torch.Generator(self.device).manual_seed(seed)
-        return decode.generate(
-            self, prompts, sampling, generator, self.pad_id, self._current_weights, sink
-        )
+        call = continuous.Call([list(p) for p in prompts], sampling, generator, sink)
+        if call.empty():
+            return []
+        self._batch.submit(call)
+        try:
+            await self._until_over(call)
+        finally:
+            call.left = not call.over  # its rows leave the batch at the next step
+            self._wakes.pop(call, None)
+            self._note_idle()
+        if call.error is not None:
+            raise call.error
+        assert call.result is not None
+        return call.result
+
+    async def _until_over(self, call: continuous.Call) -> None:
+        """Wait for ``call`` to be answered, running the batch's steps while no other
+        caller does (one caller at a time steps it, for all of them)."""
+        while not call.over:
+            if self._stepping:
+                self._wakes[call] = wake = anyio.Event()
+                await wake.wait()
+                continue
+            self._stepping = True
+            try:
+                while not call.over:
+                    await self._step()
+            finally:
+                self._stepping = False
+                for waiting in list(self._wakes.values()):  # one of them steps on
+                    waiting.set()
+                self._note_idle()
+
+    async def _step(self) -> None:
+        try:
+            finished = await self.lane.run(self._batch.step, self._current_weights)
+        except Exception as exc:  # a step's failure is every running call's
+            finished = self._batch.reset(exc)
+        for call in finished:
+            if call in self._wakes:
+                self._wakes[call].set()
+        self._note_idle()
+        if self.lane.mode == "inline":  # the step blocked the event loop: let it run
+            await anyio.lowlevel.checkpoint()
+
+    def _note_idle(self) -> None:
+        if self._batch.idle:
+            self._idle.set()
+
+    async def _drained(self) -> None:
+        """Until every call running or waiting has been answered."""
+        while not self._batch.idle:
+            if self._idle.is_set():
+                self._idle = anyio.Event()
+            await self._idle.wait()
 
     async def score(
         self, prompts: Sequence[Sequence[int]], completions: Sequence[Sequence[int]]
@@ -202,7 +259,15 @@ class TransformersEngine:
             with self._lock:
                 self._pending = snapshot
             return
-        await self.lane.run(self._load, update)
+        # Drain: the calls begun before the update finish on their weights, and those
+        # begun while it waits start after it.
+        self._draining = draining = anyio.Event()
+        try:
+            await self._drained()
+            await self.lane.run(self._load, update)
+        finally:
+            self._draining = None
+            draining.set()
 
     def _adapter_state(self, adapter: Adapter) -> dict[str, Tensor]:
         """The adapter's tensors under the model's names, checked against its layers."""
@@ -255,7 +320,8 @@ class TransformersEngine:
 
     async def pause(self) -> None:
         self._resumed = anyio.Event()
-        await self.lane.run(lambda: None)  # generations queued before the pause finish
+        await self._drained()  # generations begun before the pause finish
+        await self.lane.run(lambda: None)  # and scoring queued before it
 
     async def resume(self) -> None:
         self._resumed.set()

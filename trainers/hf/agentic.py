@@ -33,7 +33,7 @@ from corun.agents.chat import ChatTemplate
 from corun.agents.chat_runner import ChatEnvironment, Generate, run_chat_episodes
 from corun.contract.engine import Generation, Sampling
 from corun.contract.episodes import Episode
-from corun.engines import decode
+from corun.engines import continuous
 from corun.execution import parallel
 from trainers.agentic.calculator import EnvSettings
 from trainers.agentic.policy import episode_metrics
@@ -183,7 +183,7 @@ def greedy_decode(policy: HFPolicy, pad_id: int, ctx: RolloutContext) -> Generat
 
     def whole(prompts: list[list[int]], sampling: Sampling) -> list[Generation]:
         with parallel.gathered(policy):  # decoding enters the model past its hooks
-            return decode.generate(policy, prompts, sampling, None, pad_id)
+            return continuous.generate(policy, prompts, sampling, None, pad_id)
 
     async def generate(prompts: list[list[int]], sampling: Sampling, seed: int) -> list[Generation]:
         return await ctx.compute(whole, prompts, sampling)

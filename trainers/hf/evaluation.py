@@ -7,7 +7,7 @@ from __future__ import annotations
 import torch
 
 from corun.contract.engine import Sampling
-from corun.engines import decode
+from corun.engines import continuous
 from corun.execution import parallel
 from corun.execution.compute import Lane
 from trainers.hf.policy import ChatFormat, HFPolicy
@@ -29,7 +29,7 @@ async def evaluate(
     def replies() -> list[str]:
         prompts = [chat.encode(e.prompt) for e in examples]
         with parallel.gathered(policy):  # decoding enters the model past its hooks
-            generated = decode.generate(policy, prompts, greedy, None, chat.pad_id)
+            generated = continuous.generate(policy, prompts, greedy, None, chat.pad_id)
         return [chat.decode(g.ids) for g in generated]
 
     responses = replies() if lane is None else await lane.run(replies)

@@ -194,7 +194,7 @@ class HFRollouts(PolicyGradientTrainer[Any]):
     def served_policy(self, lane: Lane) -> EnginePolicy:
         return EnginePolicy(
             self.run_config.run.name, self.engine, self.chat_template(), self.max_len,
-            self.fingerprints, continuous_batching=self.config.engine != "local",
+            self.fingerprints, continuous_batching=True,
         )  # fmt: skip
 
     def rollout_engine(self) -> Engine:
