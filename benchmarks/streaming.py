@@ -1,7 +1,8 @@
 """Streamed replies: time to first token (TTFT) and inter-token latency (ITL) of
 streamed chat requests, before (the whole reply generated, then its chunks sent: the
 endpoint's old way, kept behind corun/serve/streaming.py's benchmark-only
-``WHOLE_REPLY``) and after (each decode step's tokens sent as they are sampled), both in
+``WHOLE_REPLY``; on the transformers engine also a call at a time, as before it batched
+continuously) and after (each decode step's tokens sent as they are sampled), both in
 this run. The tiny Llama as ``hf_grpo`` serves it (benchmarks/endpoint_hf.py's
 ``served``), on the transformers engine (``local``) and on vLLM in process (``vllm``);
 short and long replies. The ``streaming`` suite of ``corun bench``, and::
@@ -34,6 +35,7 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
+from typing import Any
 
 import anyio
 import httpx
@@ -62,6 +64,18 @@ HEADLINE = Settings(("local", "vllm", "vllm-server"), 200, 32, (16, 128))  # the
 RECIPE = "hf_agentic"
 PROMPT_TOKENS = 32
 WHOLE_PRELUDE = "import corun.serve.streaming as s\ns.WHOLE_REPLY = True"
+# Before continuous batching on the transformers engine, the endpoint handed it a call
+# at a time and gathered the requests that arrived meanwhile into the next: its "before"
+# does so again (a served policy whose continuous_batching is always False).
+ONE_CALL_PRELUDE = (
+    "import corun.agents.served as a\n"
+    "a.EnginePolicy.continuous_batching = property(lambda self: False, lambda self, on: None)"
+)
+
+
+def before_prelude(engine: str) -> str:
+    """The child's code that makes ``corun serve`` on ``engine`` serve as it did before."""
+    return WHOLE_PRELUDE + ("\n" + ONE_CALL_PRELUDE if engine == "local" else "")
 CLIENT_S = 600.0
 
 
@@ -104,6 +118,8 @@ async def measure_engine(engine: str, settings: Settings, note: Note) -> list[Ro
                 for mode in ("whole", "stream"):
                     note(f"{engine}: {tokens} tokens, {mode}")
                     streaming.WHOLE_REPLY = mode == "whole"
+                    policy: Any = endpoint.batcher.policy
+                    policy.continuous_batching = mode == "stream" or engine != "local"
                     row = Row(engine, tokens, mode, [], [], 0)
                     limit = anyio.Semaphore(settings.concurrency)
                     start = time.perf_counter()
@@ -212,7 +228,7 @@ def headline(settings: Settings, scratch: Path, note: Note) -> list[Served]:
     done = []
     for engine in settings.engines:
         for mode in ("whole", "stream"):
-            prelude = WHOLE_PRELUDE if mode == "whole" else ""
+            prelude = before_prelude(engine) if mode == "whole" else ""
             folder = scratch / f"{engine}-{mode}"
             folder.mkdir(exist_ok=True)
             overrides = [f"trainer.engine={engine}"]

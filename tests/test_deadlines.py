@@ -128,8 +128,9 @@ async def test_without_a_deadline_cancellation_still_waits_for_the_call(
 def test_the_local_engine_takes_the_deadline_options() -> None:
     check_engine("local", EngineOptions(start_timeout_s=1, request_timeout_s=2), False)
     check_engine("local", EngineOptions(shutdown_timeout_s=3), False)
-    with pytest.raises(corun.ConfigError, match=r"engine_options\.max_num_seqs"):
-        check_engine("local", EngineOptions(max_num_seqs=3), False)
+    check_engine("local", EngineOptions(max_num_seqs=3), False)  # its rows batched at once
+    with pytest.raises(corun.ConfigError, match=r"engine_options\.kv_cache_gib"):
+        check_engine("local", EngineOptions(kv_cache_gib=3), False)
 
 
 # ----------------------------------------------------------------------------- the sync

@@ -20,7 +20,7 @@ class EnginePolicy:
     ``fingerprints`` maps a policy version to the fingerprint of its weights (the
     trainer's record of its verified syncs; read when asked, so it may grow);
     ``continuous_batching``: whether the engine takes requests between decode steps
-    (vLLM, in process or a server) rather than one call at a time (transformers)."""
+    (every rollout engine does) rather than one call at a time."""
 
     def __init__(
         self, name: str, engine: Engine, template: ChatTemplate, max_len: int,

@@ -5,10 +5,12 @@ interface of corun/contract/engine.py.
 The engine samples from its own copy of the weights, which only a weight update
 changes. Its compute runs on one lane: the train lane at concurrency 1 (rollouts and
 updates alternate there, as a hand-written loop would run them), its own otherwise,
-so generation overlaps training. Calls on the lane run in order, so an update queued
-behind running generations lets them finish on their weights ("drain"); with
-``interrupt`` an update is picked up between two decode steps instead (a partial
-rollout), and the sync does not wait for generations at all.
+so generation overlaps training. Generation calls are batched continuously
+(continuous.py): a call joins the running batch at the next decode step, each step one
+lane call, run by one of the waiting callers for all of them. An update lets the
+calls begun before it finish on their weights, and those begun while it waits start
+after it ("drain"); with ``interrupt`` an update is picked up between two decode steps
+instead (a partial rollout), and the sync does not wait for generations at all.
 
 Its fingerprint (corun/engines/fingerprint.py) is of what a generation started now
 would use: its model's state, or, with ``interrupt``, that state with the weights

@@ -8,9 +8,9 @@ groups them itself). So 32 agents calling at once share a handful of forward pas
 instead of taking 32 turns.
 
 For a policy whose engine batches continuously (``ServedPolicy.continuous_batching``:
-vLLM) a batch does not wait for the one before it: each runs as its own task and the
-engine takes the next requests between its decode steps. For one that runs a call at
-a time (the transformers engine, the calculator policy: on a lane) the requests that
+every rollout engine) a batch does not wait for the one before it: each runs as its
+own task and the engine takes the next requests between its decode steps. For one that
+runs a call at a time (the calculator policy: on a lane) the requests that
 arrive while a batch generates are gathered into the next batch instead — measured:
 128 requests of 32 agents in 21–22 calls this way, 32–40 smaller ones otherwise. A
 started generation is finished even when the request that asked for it goes away
