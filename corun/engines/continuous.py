@@ -233,7 +233,8 @@ class RunningBatch:
         if not calls:
             return
         gone = {id(call) for call in calls}
-        keep, start = [], 0
+        keep: list[int] = []
+        start = 0
         for call in self.calls:
             if id(call) not in gone:
                 keep += range(start, start + call.rows)

@@ -102,7 +102,10 @@ class TransformersEngine:
         self._batch = continuous.RunningBatch(self.model, pad_id, max_rows)
         self._stepping = False
         self._wakes: dict[continuous.Call, anyio.Event] = {}
-        self._idle = anyio.Event()  # set by the step that leaves the batch idle
+        # The calls whose callers wait (kept on the event loop: the batch's own lists
+        # change on the lane's thread during a step).
+        self._live: set[continuous.Call] = set()
+        self._idle = anyio.Event()  # set once no call is live
         self._draining: anyio.Event | None = None  # a drained update: set once it loaded
 
     @property
@@ -134,12 +137,14 @@ class TransformersEngine:
         call = continuous.Call([list(p) for p in prompts], sampling, generator, sink)
         if call.empty():
             return []
+        self._live.add(call)
         self._batch.submit(call)
         try:
             await self._until_over(call)
         finally:
             call.left = not call.over  # its rows leave the batch at the next step
             self._wakes.pop(call, None)
+            self._live.discard(call)
             self._note_idle()
         if call.error is not None:
             raise call.error
@@ -162,7 +167,6 @@ class TransformersEngine:
                 self._stepping = False
                 for waiting in list(self._wakes.values()):  # one of them steps on
                     waiting.set()
-                self._note_idle()
 
     async def _step(self) -> None:
         try:
@@ -172,17 +176,16 @@ class TransformersEngine:
         for call in finished:
             if call in self._wakes:
                 self._wakes[call].set()
-        self._note_idle()
         if self.lane.mode == "inline":  # the step blocked the event loop: let it run
             await anyio.lowlevel.checkpoint()
 
     def _note_idle(self) -> None:
-        if self._batch.idle:
+        if not self._live:
             self._idle.set()
 
     async def _drained(self) -> None:
-        """Until every call running or waiting has been answered."""
-        while not self._batch.idle:
+        """Until every call running or waiting has been answered (or left)."""
+        while self._live:
             if self._idle.is_set():
                 self._idle = anyio.Event()
             await self._idle.wait()
