@@ -21,7 +21,8 @@ dropped at a join or a leave the same way: slower, not different.
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -30,7 +31,7 @@ from torch import Tensor, nn
 
 from corun.contract.engine import Delta, Generation, Sampling, TokenSink
 from corun.engines.decode import CausalLM, draw, keeps_logits, left_pad, positions
-from corun.execution.compute import cancel_point
+from corun.execution.compute import cancel_point, stop_requested
 
 
 @dataclass(eq=False)
@@ -50,6 +51,7 @@ class Call:
     tops: list[tuple[Tensor, Tensor]] = field(default_factory=list)  # with top_logprobs
     cut: dict[int, int] = field(default_factory=dict)  # rows a sink declined: tokens kept
     done: Tensor | None = None  # rows that ended
+    stops: Tensor | None = None  # the stop ids, on the rows' device
 
     @property
     def rows(self) -> int:
@@ -72,6 +74,7 @@ class Call:
         to the sink); return the tokens (a row that ended gets ``pad_id``)."""
         if self.done is None:
             self.done = torch.zeros(self.rows, dtype=torch.bool, device=logits.device)
+            self.stops = torch.tensor(self.sampling.stop_ids or (-1,), device=logits.device)
         token, logprob, log_dist = draw(logits, self.sampling, self.generator)
         if self.sampling.top_logprobs:
             best = log_dist.topk(min(self.sampling.top_logprobs, log_dist.shape[-1]), dim=-1)
@@ -83,8 +86,8 @@ class Call:
         if self.sink is not None:
             _hand_over(self.sink, self.done, self.tokens, self.logprobs, version, self.tops,
                       self.cut)  # fmt: skip
-        stops = torch.tensor(self.sampling.stop_ids or (-1,), device=token.device)
-        self.done |= torch.isin(token, stops)
+        assert self.stops is not None
+        self.done |= torch.isin(token, self.stops)
         return token
 
     def finish(self) -> bool:
@@ -152,23 +155,31 @@ class RunningBatch:
         admitted = self._admit()
         if not self.calls and not admitted:
             return []
-        was_training = self.model.training
-        self.model.eval()
-        try:
+        with evaluating(self.model):
             logits = self._forward(admitted)
-        finally:
-            self.model.train(was_training)
         self.calls += admitted
         column, start = [], 0
         for call in self.calls:
             column.append(call.take(logits[start : start + call.rows], version, self.pad_id))
             start += call.rows
         real = torch.ones(len(self.ids), 1, dtype=torch.bool, device=self.device)
-        self.ids = torch.cat([self.ids, torch.cat(column)[:, None]], dim=1)
+        drawn = column[0] if len(column) == 1 else torch.cat(column)
+        self.ids = torch.cat([self.ids, drawn[:, None]], dim=1)
         self.mask = torch.cat([self.mask, real], dim=1)
         finished = [call for call in self.calls if call.finish()]
         self._remove(finished)
         return finished
+
+    def steps(self, weights_version: Callable[[], int] = lambda: 0) -> list[Call]:
+        """:meth:`step` until one finishes a call, no call is left to step, or (in a
+        lane call) the caller is cancelled: the calls finished. Calls submitted
+        meanwhile join at the next step, so one blocking call serves them all until a
+        result must go back (a lane call per step costs ~15 % on the tiny model)."""
+        with evaluating(self.model):
+            while True:
+                finished = self.step(weights_version)
+                if finished or self.idle or stop_requested():
+                    return finished
 
     def _admit(self) -> list[Call]:
         rows = sum(call.rows for call in self.calls)
@@ -271,12 +282,27 @@ def generate(
         return []
     batch = RunningBatch(policy.model, pad_id)
     batch.submit(call)
-    while not call.over:
-        if call.tokens:
-            cancel_point()
-        batch.step(weights_version)
+    with evaluating(policy.model):
+        while not call.over:
+            if call.tokens:
+                cancel_point()
+            batch.step(weights_version)
     assert call.result is not None
     return call.result
+
+
+@contextmanager
+def evaluating(model: nn.Module) -> Iterator[None]:
+    """``model`` in eval mode within (a trainer's policy is put back in training mode
+    after; switching walks every module, so it is done once for many steps)."""
+    if not model.training:
+        yield
+        return
+    model.eval()
+    try:
+        yield
+    finally:
+        model.train()
 
 
 def _layers(cache: Any) -> list[Any] | None:

@@ -170,7 +170,7 @@ class TransformersEngine:
 
     async def _step(self) -> None:
         try:
-            finished = await self.lane.run(self._batch.step, self._current_weights)
+            finished = await self.lane.run(self._batch.steps, self._current_weights)
         except Exception as exc:  # a step's failure is every running call's
             finished = self._batch.reset(exc)
         for call in finished:
