@@ -20,8 +20,9 @@ The full grid adds the headline: ``corun serve hf_agentic`` (the SFT-trained age
 ``trainer.engine`` local and vllm) in a process of its own, before and after, driven by
 vLLM's own serving-benchmark client (``vllm bench serve``, benchmarks/vllm_client.py)
 in another: 200 streamed chat requests of 32 random prompt tokens, 32 at a time, each
-reply run to its length (``ignore_eos``), short and long. Nothing is asserted about
-timings.
+reply run to its length (``ignore_eos``), short and long; on the transformers engine
+also streamed a call at a time (streaming without continuous batching). Nothing is
+asserted about timings.
 """
 
 from __future__ import annotations
@@ -63,6 +64,7 @@ GRIDS = {
 HEADLINE = Settings(("local", "vllm", "vllm-server"), 200, 32, (16, 128))  # the full grid's
 RECIPE = "hf_agentic"
 PROMPT_TOKENS = 32
+CLIENT_S = 600.0
 WHOLE_PRELUDE = "import corun.serve.streaming as s\ns.WHOLE_REPLY = True"
 # Before continuous batching on the transformers engine, the endpoint handed it a call
 # at a time and gathered the requests that arrived meanwhile into the next: its "before"
@@ -73,17 +75,24 @@ ONE_CALL_PRELUDE = (
 )
 
 
-def before_prelude(engine: str) -> str:
-    """The child's code that makes ``corun serve`` on ``engine`` serve as it did before."""
-    return WHOLE_PRELUDE + ("\n" + ONE_CALL_PRELUDE if engine == "local" else "")
-CLIENT_S = 600.0
+# The child's code for each way of serving: before (whole replies; the transformers
+# engine a call at a time), after, and on the transformers engine streamed a call at a
+# time (streaming before continuous batching: what each of the two changes gives).
+PRELUDES = {"whole": WHOLE_PRELUDE, "stream": "", "calls": ONE_CALL_PRELUDE}
+LOCAL_MODES = ("whole", "calls", "stream")
+
+
+def prelude(engine: str, mode: str) -> str:
+    if mode == "whole" and engine == "local":
+        return WHOLE_PRELUDE + "\n" + ONE_CALL_PRELUDE
+    return PRELUDES[mode]
 
 
 @dataclass
 class Row:
     engine: str
     tokens: int
-    mode: str  # "whole" (before) or "stream" (after)
+    mode: str  # "whole" (before) or "stream" (after); the headline's "calls" too
     ttft: list[float]
     itl: list[float]
     wall_s: float
@@ -227,12 +236,11 @@ def headline(settings: Settings, scratch: Path, note: Note) -> list[Served]:
     tokenizer = built_in_model(scratch)
     done = []
     for engine in settings.engines:
-        for mode in ("whole", "stream"):
-            prelude = before_prelude(engine) if mode == "whole" else ""
+        for mode in LOCAL_MODES if engine == "local" else ("whole", "stream"):
             folder = scratch / f"{engine}-{mode}"
             folder.mkdir(exist_ok=True)
             overrides = [f"trainer.engine={engine}"]
-            with serving(folder, RECIPE, overrides, prelude, cwd=scratch) as server:
+            with serving(folder, RECIPE, overrides, prelude(engine, mode), cwd=scratch) as server:
                 note(f"corun serve {RECIPE} ({engine}, {mode}): {server.url()}")
                 for tokens in settings.lengths:
                     result = bench_serve(server.url(), scratch, tokenizer, tokens, settings,
@@ -246,14 +254,15 @@ def headline(settings: Settings, scratch: Path, note: Note) -> list[Served]:
 def headline_table(settings: Settings, served_runs: list[Served]) -> Table:
     before = {(r.engine, r.tokens): r.result for r in served_runs if r.mode == "whole"}
     body, ratios = [], []
-    for run in (r for r in served_runs if r.mode == "stream"):
+    for run in (r for r in served_runs if r.mode != "whole"):
         old, new = before[run.engine, run.tokens], run.result
-        body.append([run.engine, str(run.tokens)] + [
+        name = run.engine if run.mode == "stream" else f"{run.engine}, a call at a time"
+        body.append([name, str(run.tokens)] + [
             fmt(figures[key], 2) for key in ("p50_ttft_ms", "p50_content_ms", "p99_content_ms",
                                              "p50_itl_ms", "p99_itl_ms", "output_throughput")
             for figures in (old, new)
         ] + [f"{new['p50_content_ms'] / max(old['p50_content_ms'], 1e-9):.2f}"])  # fmt: skip
-        ratios.append((f"{run.engine}, {run.tokens} tokens",
+        ratios.append((f"{name}, {run.tokens} tokens",
                        new["p50_content_ms"] / max(old["p50_content_ms"], 1e-9)))  # fmt: skip
     return Table(
         "streaming", "vllm_bench_serve",
