@@ -4,7 +4,7 @@ during a long one gets its first token within a step instead of after that call.
 
 A :class:`RunningBatch` holds the running calls' rows left-padded to one width, with
 their KV cache, and runs one decode step of all of them at a time (:meth:`RunningBatch.step`,
-a blocking call). A call admitted at a step is read whole in a pass of its own, and its
+a blocking call; :meth:`RunningBatch.steps` until one of them finishes). A call admitted at a step is read whole in a pass of its own, and its
 cache joins the batch's, the narrower side padded on the left (masked, as left padding
 is). A call keeps its rows in the batch until all of them end, each step drawing for
 all of them from the call's own generator, so a call alone computes what

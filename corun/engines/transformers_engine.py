@@ -6,8 +6,9 @@ The engine samples from its own copy of the weights, which only a weight update
 changes. Its compute runs on one lane: the train lane at concurrency 1 (rollouts and
 updates alternate there, as a hand-written loop would run them), its own otherwise,
 so generation overlaps training. Generation calls are batched continuously
-(continuous.py): a call joins the running batch at the next decode step, each step one
-lane call, run by one of the waiting callers for all of them. An update lets the
+(continuous.py): a call joins the running batch at the next decode step. One of the
+waiting callers runs the batch on the lane for all of them, a lane call until some call
+finishes (its caller is then woken, and the next lane call goes on). An update lets the
 calls begun before it finish on their weights, and those begun while it waits start
 after it ("drain"); with ``interrupt`` an update is picked up between two decode steps
 instead (a partial rollout), and the sync does not wait for generations at all.
