@@ -3,14 +3,15 @@ batch between two decode steps and leave it when their rows end, so a call start
 during a long one gets its first token within a step instead of after that call.
 
 A :class:`RunningBatch` holds the running calls' rows left-padded to one width, with
-their KV cache, and runs one decode step of all of them at a time (:meth:`RunningBatch.step`,
-a blocking call; :meth:`RunningBatch.steps` until one of them finishes). A call admitted at a step is read whole in a pass of its own, and its
-cache joins the batch's, the narrower side padded on the left (masked, as left padding
-is). A call keeps its rows in the batch until all of them end, each step drawing for
-all of them from the call's own generator, so a call alone computes what
-:func:`generate` computed before continuous batching: the same forward passes and the
-same draws. Beside other calls its rows are read in a wider batch, which can round a
-matmul differently (as in vLLM).
+their KV cache. :meth:`RunningBatch.step` runs one decode step of all of them (a
+blocking call), :meth:`RunningBatch.steps` runs steps until one of them finishes. A call
+admitted at a step is read whole in a pass of its own, and its cache joins the
+batch's, the narrower side padded on the left (masked, as left padding is). A call
+keeps its rows in the batch until all of them end, each step drawing for all of them
+from the call's own generator, so a call alone computes what a generation computed
+before continuous batching: the same forward passes and the same draws. Beside other
+calls its rows are read in a wider batch, which can round a matmul differently (as in
+vLLM).
 
 When ``weights_version`` reports newer weights between two steps (a partial rollout),
 the cache of the old weights is dropped and every row's prefix is re-read by the new
