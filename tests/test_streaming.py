@@ -50,10 +50,12 @@ class Served:
 
 @asynccontextmanager
 async def serving(
-    engine_of: Any = None, step_s: float = 0.0, batch_wait_ms: float = 0.0
-) -> AsyncIterator[Served]:
+    engine_of: Any = None, step_s: float = 0.0, batch_wait_ms: float = 0.0,
+    continuous: bool = False,
+) -> AsyncIterator[Served]:  # fmt: skip
     """The tiny Llama's endpoint on the transformers engine (wrapped by ``engine_of``),
-    each forward pass slowed by ``step_s`` and counted."""
+    each forward pass slowed by ``step_s`` and counted; ``continuous``: the endpoint
+    runs each batch as its engine takes it (as a run serves it), else a call at a time."""
     policy, tokenizer = load_policy("tiny-llama", "test")
     template = ChatTemplate(tokenizer)
     local = TransformersEngine(policy, template.pad_id, Lane("engine"), owns_lane=True,
@@ -66,7 +68,7 @@ async def serving(
 
     local.model.register_forward_hook(slowed)
     engine: Engine = local if engine_of is None else engine_of(local)
-    policy_ = EnginePolicy(MODEL, engine, template, 256, {}, continuous_batching=False)
+    policy_ = EnginePolicy(MODEL, engine, template, 256, {}, continuous_batching=continuous)
     config = ServeConfig(enabled=True, batch_wait_ms=batch_wait_ms)
     endpoint = Endpoint(policy_, config, Lane("serve"), EpisodeInbox())
     try:
@@ -130,6 +132,45 @@ async def test_tokens_stream_as_generated_and_join_to_the_reply(anyio_backend: s
     assert chunks[0][0]["choices"][0]["delta"] == {"role": "assistant", "content": ""}
     assert chunks[-2][0]["choices"][0]["finish_reason"] == reply["finish_reason"]
     assert chunks[-1][0]["choices"] == [] and chunks[-1][0]["usage"] == whole["usage"]
+
+
+@pytest.mark.anyio
+async def test_a_short_reply_streams_and_ends_while_a_long_one_generates(
+    anyio_backend: str,
+) -> None:
+    """As a run serves it, the transformers engine batches continuously: a request sent
+    once a long reply has begun gets its first text within a few decode steps (a
+    bound loose for a loaded machine; a call at a time, it waited for ~150) and ends
+    before the long reply does."""
+    with anyio.fail_after(120):
+        async with serving(step_s=0.01, continuous=True) as served:
+            async with httpx.AsyncClient(base_url=served.url, timeout=60) as http:
+                ended: list[str] = []
+                began = anyio.Event()
+                short: list[tuple[dict[str, Any], int]] = []
+
+                async def long() -> None:
+                    body = ask(max_tokens=150, ignore_eos=True, seed=1) | {"stream": True}
+                    async with http.stream("POST", "/v1/chat/completions", json=body) as r:
+                        async for line in r.aiter_lines():
+                            if '"content":"' in line and '"content":""' not in line:
+                                began.set()
+                    ended.append("long")
+
+                async def later() -> None:
+                    await began.wait()
+                    sent = served.steps[0]
+                    short.extend(await stream(http, ask(max_tokens=5, seed=2), served.steps))
+                    ended.append("short")
+                    text = [s for c, s in short if c["choices"] and c["choices"][0]["delta"]
+                            .get("content")]  # fmt: skip
+                    assert text[0] - sent <= 20, (sent, text)  # not the ~150 left
+
+                async with anyio.create_task_group() as tasks:
+                    tasks.start_soon(long)
+                    tasks.start_soon(later)
+    assert ended == ["short", "long"]
+    assert short[-1][0]["choices"][0]["finish_reason"] in ("stop", "length")
 
 
 @pytest.mark.anyio
