@@ -116,8 +116,9 @@ class RunningBatch:
         # append and popleft are atomic).
         self.waiting: deque[Call] = deque()
         self.calls: list[Call] = []  # running, their rows in this order
-        self.ids = torch.empty(0, 0, dtype=torch.long)  # the rows' tokens so far, left-padded
-        self.mask = torch.empty(0, 0, dtype=torch.bool)  # which are real
+        # The rows' tokens so far, left-padded, and which of them are real.
+        self.ids = torch.empty(0, 0, dtype=torch.long, device=self.device)
+        self.mask = torch.empty(0, 0, dtype=torch.bool, device=self.device)
         self.cache: Any = None  # of every column but the last (None: none is cached)
         self.version: int | None = None  # of the weights that computed the cache
 
