@@ -22,8 +22,7 @@ dropped at a join or a leave the same way: slower, not different.
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Callable, Iterator, Sequence
-from contextlib import contextmanager
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -31,7 +30,14 @@ import torch
 from torch import Tensor, nn
 
 from corun.contract.engine import Delta, Generation, Sampling, TokenSink
-from corun.engines.decode import CausalLM, draw, keeps_logits, left_pad, positions
+from corun.engines.decode import (
+    CausalLM,
+    draw,
+    evaluating,
+    keeps_logits,
+    left_pad,
+    positions,
+)
 from corun.execution.compute import cancel_point, stop_requested
 
 
@@ -291,20 +297,6 @@ def generate(
             batch.step(weights_version)
     assert call.result is not None
     return call.result
-
-
-@contextmanager
-def evaluating(model: nn.Module) -> Iterator[None]:
-    """``model`` in eval mode within (a trainer's policy is put back in training mode
-    after; switching walks every module, so it is done once for many steps)."""
-    if not model.training:
-        yield
-        return
-    model.eval()
-    try:
-        yield
-    finally:
-        model.train()
 
 
 def _layers(cache: Any) -> list[Any] | None:

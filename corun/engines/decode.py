@@ -9,7 +9,8 @@ and scoring passes over prompts and their completions.
 from __future__ import annotations
 
 import inspect
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from typing import Any, Protocol
 
 import torch
@@ -29,6 +30,20 @@ class CausalLM(Protocol):
 def positions(attention_mask: Tensor) -> Tensor:
     """Position ids counting real tokens only (0 at each row's first real token)."""
     return (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
+
+
+@contextmanager
+def evaluating(model: nn.Module) -> Iterator[None]:
+    """``model`` in eval mode within (a trainer's policy is put back in training mode
+    after; switching walks every module, so it is done once for many steps)."""
+    if not model.training:
+        yield
+        return
+    model.eval()
+    try:
+        yield
+    finally:
+        model.train()
 
 
 def left_pad(
@@ -97,16 +112,14 @@ def distributions(
     tokens, given its prompt and the completion's tokens before it: (tokens, vocab),
     on the CPU. One forward pass over the rows, left-padded."""
     model = policy.model
-    was_training = model.training
-    model.eval()
     device = next(model.parameters()).device
     ids, mask = left_pad([[*p, *c] for p, c in zip(prompts, completions, strict=True)],
                          pad_id, device)  # fmt: skip
     attention = mask.long()
-    logits = model(input_ids=ids, attention_mask=attention,
-                   position_ids=positions(attention)).logits[:, :-1].float()  # fmt: skip
+    with evaluating(model):
+        logits = model(input_ids=ids, attention_mask=attention,
+                       position_ids=positions(attention)).logits[:, :-1].float()  # fmt: skip
     log_dist = torch.log_softmax(logits, dim=-1).cpu()
-    model.train(was_training)
     # Left-padded: each completion is its row's last tokens, read from the position before.
     width = log_dist.shape[1]
     return [log_dist[i, width - len(c) :] for i, c in enumerate(completions)]
